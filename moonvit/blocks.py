@@ -1,0 +1,53 @@
+"""The pre-LN transformer block of MoonViT.
+
+Module and parameter names mirror Kimi-VL's checkpoints
+(``norm0``, ``wqkv``, ``wo``, ``norm1``, ``mlp.fc0``, ``mlp.fc1``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import ATTENTION_FUNCTIONS
+from .grid import PackedGrid
+from .rope import apply_rope
+
+
+class MLP(nn.Module):
+    """fc1(gelu_tanh(fc0(x)))."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.fc0 = nn.Linear(dim, hidden_dim)
+        self.fc1 = nn.Linear(hidden_dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc1(F.gelu(self.fc0(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """x + wo(attn(norm0(x))), then x + mlp(norm1(x)), on packed (L, D) rows."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_dim: int, eps: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.norm0 = nn.LayerNorm(dim, eps=eps)
+        self.wqkv = nn.Linear(dim, 3 * dim)
+        self.wo = nn.Linear(dim, dim)
+        self.norm1 = nn.LayerNorm(dim, eps=eps)
+        self.mlp = MLP(dim, mlp_dim)
+
+    def attention(self, x: torch.Tensor, grid: PackedGrid, attn_implementation: str) -> torch.Tensor:
+        """Multi-head self-attention within each image of the pack, (L, D) -> (L, D)."""
+        # wqkv's output is laid out [q | k | v], each (heads, head_dim).
+        q, k, v = self.wqkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(1)
+        q = apply_rope(q, grid.rope_cos, grid.rope_sin)
+        k = apply_rope(k, grid.rope_cos, grid.rope_sin)
+        out = ATTENTION_FUNCTIONS[attn_implementation](q, k, v, grid)
+        return self.wo(out.flatten(1))
+
+    def forward(self, x: torch.Tensor, grid: PackedGrid, attn_implementation: str) -> torch.Tensor:
+        x = x + self.attention(self.norm0(x), grid, attn_implementation)
+        return x + self.mlp(self.norm1(x))

@@ -1,0 +1,145 @@
+"""Reading and writing MoonViT checkpoints.
+
+Two layouts are read from a local folder:
+
+- Kimi-VL's: ``config.json`` with a ``vision_config`` and tensors named
+  ``vision_tower.<name>``, usually sharded beside a large language model
+  (``model.safetensors.index.json``). Only the shards that hold vision tensors
+  are opened, and only those tensors are read.
+- This project's own (also MoonViT-SO-400M's standalone layout): ``config.json``
+  with the encoder fields at the top level and unprefixed tensor names in
+  ``model.safetensors``.
+
+Module names in :class:`~moonvit.model.MoonViT` equal Kimi-VL's names without
+the ``vision_tower.`` prefix, so no renaming is involved.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import MoonViTConfig
+
+if TYPE_CHECKING:
+    from .model import MoonViT
+
+KIMI_VL_PREFIX = "vision_tower."
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded as it stands."""
+
+
+def read_config(folder: Path) -> tuple[MoonViTConfig, str]:
+    """The encoder config of a checkpoint folder, and the prefix of its tensor names."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder} has no config.json")
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from err
+    if "vision_config" in values:
+        return MoonViTConfig.from_dict(values["vision_config"]), KIMI_VL_PREFIX
+    return MoonViTConfig.from_dict(values), ""
+
+
+def tensor_files(folder: Path, prefix: str) -> dict[Path, list[str]]:
+    """Map each safetensors file that holds tensors under ``prefix`` to those names."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no weight_map")
+        files: dict[Path, list[str]] = defaultdict(list)
+        for name, file in weight_map.items():
+            if name.startswith(prefix):
+                files[folder / file].append(name)
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(f"{index} names {file.name}, which is not in {folder}")
+        return dict(files)
+    single = folder / SINGLE_FILE
+    if not single.is_file():
+        raise CheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    with safe_open(single, framework="pt") as f:
+        return {single: [name for name in f.keys() if name.startswith(prefix)]}
+
+
+def load_pretrained(
+    cls: type["MoonViT"],
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    attn_implementation: str = "auto",
+) -> "MoonViT":
+    """Build ``cls`` from a checkpoint folder, reading only the vision tensors.
+
+    The model is first built on the meta device and its parameters are then
+    assigned from the file, so peak memory is about one copy of the tower.
+
+    Raises:
+        CheckpointError: no such folder, no config or tensors, or tensors that are
+            missing, unexpected or of the wrong shape (all of them named).
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    config, prefix = read_config(folder)
+    config.attn_implementation = attn_implementation
+    with torch.device("meta"):
+        model = cls(config)
+    expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
+
+    files = tensor_files(folder, prefix)
+    found = {name[len(prefix):]: file for file, names in files.items() for name in names}
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{folder} does not match the MoonViT config: "
+            f"missing {[prefix + n for n in missing]}, unexpected {[prefix + n for n in unexpected]}"
+        )
+
+    wrong_shape = []
+    for file, names in files.items():
+        with safe_open(file, framework="pt") as f:
+            for full_name in names:
+                shape = tuple(f.get_slice(full_name).get_shape())
+                if shape != tuple(expected[full_name[len(prefix):]]):
+                    wrong_shape.append(f"{full_name}: {shape}, expected {tuple(expected[full_name[len(prefix):]])}")
+    if wrong_shape:
+        raise CheckpointError(f"{folder} has tensors of the wrong shape: " + "; ".join(wrong_shape))
+
+    if dtype is None:
+        reference = prefix + "patch_embed.proj.weight"
+        with safe_open(found["patch_embed.proj.weight"], framework="pt") as f:
+            dtype = f.get_tensor(reference).dtype
+    # safetensors maps the file lazily; copy each tensor out so the model never
+    # aliases the file (which a later save to the same folder would overwrite).
+    state: dict[str, torch.Tensor] = {}
+    for file, names in files.items():
+        with safe_open(file, framework="pt") as f:
+            for full_name in names:
+                tensor = f.get_tensor(full_name)
+                state[full_name[len(prefix):]] = tensor.to(device=device or "cpu", dtype=dtype, copy=True)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval()
+
+
+def save_pretrained(model: "MoonViT", path: str | Path) -> None:
+    """Write the model's ``config.json`` and ``model.safetensors`` to the folder ``path``."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.save(folder)
+    state = {name: tensor.detach().contiguous().cpu() for name, tensor in model.state_dict().items()}
+    save_file(state, folder / SINGLE_FILE, metadata={"format": "pt"})

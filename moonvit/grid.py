@@ -1,0 +1,174 @@
+"""Per-call grid metadata of a packed batch of images.
+
+Everything that depends only on the images' patch grids (sequence boundaries,
+per-patch positions, RoPE angles, position-table resampling taps, merge order)
+is computed once per forward by :func:`build_packed_grid`, vectorised over the
+pack, and carried through the model in a :class:`PackedGrid`. Callers may build
+it themselves and pass it in, so that the model's forward holds no host
+synchronisation and compiles and exports cleanly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .config import MoonViTConfig
+from .position import bicubic_resample_taps
+from .rope import rope_angles
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Images of one sequence length, attended to in one batched call.
+
+    ``token_index`` is (num_images, seqlen) int64: the packed rows of each image.
+    """
+
+    seqlen: int
+    token_index: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PackedGrid:
+    """Grid metadata of a pack of N images holding L patches in total.
+
+    Attributes:
+        grid_hws: (N, 2) int64, patch rows and columns of each image.
+        seqlens: N Python ints, h * w of each image.
+        cu_seqlens: (N + 1,) int32, cumulative sequence lengths with a leading 0.
+        max_seqlen: the longest image, in patches.
+        positions: (L, 2) int64, (row, col) of each patch inside its own image.
+        rope_cos, rope_sin: (L, head_dim // 2) float32, cos / sin of the RoPE angle
+            of each complex channel pair (pair 2i: column angle, 2i + 1: row angle).
+        pos_emb_index: (L, 16) int64, bicubic taps into the flattened position table.
+        pos_emb_weight: (L, 16) float64, the weights of those taps.
+        merge_index: (L,) int64, packed row of each merged slot: ``x[merge_index]``
+            viewed as (L / 4, 4, D) is the 2x2 patch merger's output.
+        attention_groups: images grouped by sequence length for batched attention.
+    """
+
+    grid_hws: torch.Tensor
+    seqlens: tuple[int, ...]
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    positions: torch.Tensor
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+    pos_emb_index: torch.Tensor
+    pos_emb_weight: torch.Tensor
+    merge_index: torch.Tensor
+    attention_groups: tuple[AttentionGroup, ...]
+
+    @property
+    def num_images(self) -> int:
+        return len(self.seqlens)
+
+    @property
+    def num_patches(self) -> int:
+        return int(sum(self.seqlens))
+
+    def to(self, device: torch.device | str) -> "PackedGrid":
+        """The same metadata with every tensor on ``device``."""
+        moved = {
+            name: value.to(device) if isinstance(value, torch.Tensor) else value
+            for name, value in self.__dict__.items()
+        }
+        moved["attention_groups"] = tuple(
+            AttentionGroup(g.seqlen, g.token_index.to(device)) for g in self.attention_groups
+        )
+        return PackedGrid(**moved)
+
+
+def validate_grid_hws(grid_hws: torch.Tensor | Sequence[Sequence[int]], config: MoonViTConfig) -> list[tuple[int, int]]:
+    """Check a pack's grids and return them as Python (h, w) pairs.
+
+    Raises:
+        TypeError: grid_hws is not an integer (N, 2) tensor or nested sequence.
+        ValueError: an empty pack, a non-positive side, a side over the RoPE
+            table, or a side the patch merger cannot group.
+    """
+    if not isinstance(grid_hws, torch.Tensor):
+        try:
+            grid_hws = torch.as_tensor(grid_hws)
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"grid_hws must be an (N, 2) integer tensor, got {type(grid_hws).__name__}") from err
+    if grid_hws.dtype.is_floating_point or grid_hws.dtype.is_complex or grid_hws.dtype == torch.bool:
+        raise TypeError(f"grid_hws must be an integer tensor, got dtype {grid_hws.dtype}")
+    if grid_hws.ndim != 2 or grid_hws.shape[-1] != 2:
+        raise TypeError(f"grid_hws must have shape (N, 2) = (rows, cols) per image, got {tuple(grid_hws.shape)}")
+    if grid_hws.shape[0] == 0:
+        raise ValueError("empty pack: grid_hws holds no image")
+    kh, kw = config.merge_kernel_size
+    grids = [(int(h), int(w)) for h, w in grid_hws.tolist()]
+    for i, (h, w) in enumerate(grids):
+        if h < 1 or w < 1:
+            raise ValueError(f"image {i}: grid {h}x{w} has a non-positive side")
+        if h > config.max_grid_side or w > config.max_grid_side:
+            raise ValueError(
+                f"image {i}: grid {h}x{w} exceeds the {config.max_grid_side} patches per side of the RoPE table"
+            )
+        if h % kh or w % kw:
+            raise ValueError(
+                f"image {i}: grid {h}x{w} is not divisible by the {kh}x{kw} patch merger "
+                "(pad the image to a multiple of patch_size * merge_kernel_size)"
+            )
+    return grids
+
+
+def build_packed_grid(
+    grid_hws: torch.Tensor | Sequence[Sequence[int]],
+    config: MoonViTConfig,
+    device: torch.device | str | None = None,
+) -> PackedGrid:
+    """Validate ``grid_hws`` (N, 2) and compute the pack's metadata on ``device``."""
+    grids = validate_grid_hws(grid_hws, config)
+    hw = torch.tensor(grids, dtype=torch.int64)
+    heights, widths = hw[:, 0], hw[:, 1]
+    seqlens = heights * widths
+    num_patches = int(seqlens.sum())
+    cu_seqlens = torch.zeros(len(grids) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = seqlens.cumsum(0)
+
+    # Per patch: its image, its index inside that image, and that image's width.
+    image_of = torch.repeat_interleave(torch.arange(len(grids)), seqlens, output_size=num_patches)
+    offset = cu_seqlens[:-1].long()[image_of]
+    local = torch.arange(num_patches) - offset
+    width = widths[image_of]
+    positions = torch.stack([local // width, local % width], dim=-1)
+
+    cos, sin = rope_angles(positions, config.head_dim, config.rope_theta)
+    taps, weights = bicubic_resample_taps(
+        positions, heights[image_of], width, config.init_pos_emb_height, config.init_pos_emb_width
+    )
+
+    # Merger: slot `local` of an image is entry q of merged token g, which reads
+    # the patch at (row, col) = (g_row * kh + q // kw, g_col * kw + q % kw).
+    kh, kw = config.merge_kernel_size
+    group, within = local // (kh * kw), local % (kh * kw)
+    merged_width = width // kw
+    source_row = (group // merged_width) * kh + within // kw
+    source_col = (group % merged_width) * kw + within % kw
+    merge_index = offset + source_row * width + source_col
+
+    groups = []
+    for seqlen in sorted(set(seqlens.tolist())):
+        starts = cu_seqlens[:-1].long()[seqlens == seqlen]
+        groups.append(AttentionGroup(int(seqlen), starts[:, None] + torch.arange(seqlen)))
+
+    grid = PackedGrid(
+        grid_hws=hw,
+        seqlens=tuple(int(s) for s in seqlens.tolist()),
+        cu_seqlens=cu_seqlens,
+        max_seqlen=int(seqlens.max()),
+        positions=positions,
+        rope_cos=cos,
+        rope_sin=sin,
+        pos_emb_index=taps,
+        pos_emb_weight=weights,
+        merge_index=merge_index,
+        attention_groups=tuple(groups),
+    )
+    return grid if device is None else grid.to(device)

@@ -1,0 +1,89 @@
+"""The learnable 2D position table and its bicubic resampling to each image's grid.
+
+MoonViT resizes its (64, 64, D) table to every image's (h, w) grid with
+``F.interpolate(mode="bicubic", align_corners=False)`` and no antialiasing. That
+resize is separable: each output patch reads 4 x 4 table rows with fixed
+weights, so the whole pack is one ``embedding_bag`` over precomputed taps
+instead of a per-image loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# Keys' cubic convolution coefficient used by PyTorch's bicubic kernels.
+CUBIC_A = -0.75
+
+
+def _cubic_weights(t: torch.Tensor) -> torch.Tensor:
+    """(..., 4) weights of the taps at offsets -1, 0, 1, 2 for fractional offset t."""
+    a = CUBIC_A
+
+    def near(x: torch.Tensor) -> torch.Tensor:  # |x| <= 1
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+
+    def far(x: torch.Tensor) -> torch.Tensor:  # 1 < |x| < 2
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+    return torch.stack([far(t + 1), near(t), near(1 - t), far(2 - t)], dim=-1)
+
+
+def _axis_taps(index: torch.Tensor, out_size: torch.Tensor, in_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Taps (..., 4) int64 and weights (..., 4) float64 along one axis.
+
+    Output coordinate ``index`` of an axis resized from ``in_size`` to ``out_size``
+    samples the source at ``(index + 0.5) * in_size / out_size - 0.5``
+    (half-pixel centres, align_corners=False); taps outside the table are clamped
+    to its border.
+    """
+    source = (index.double() + 0.5) * (in_size / out_size.double()) - 0.5
+    base = source.floor()
+    weights = _cubic_weights(source - base)
+    taps = base.long().unsqueeze(-1) + torch.arange(-1, 3)
+    return taps.clamp(0, in_size - 1), weights
+
+
+def bicubic_resample_taps(
+    positions: torch.Tensor,
+    heights: torch.Tensor,
+    widths: torch.Tensor,
+    table_height: int,
+    table_width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bicubic taps into a flattened (table_height * table_width, D) table.
+
+    Args:
+        positions: (L, 2) int64 (row, col) of each patch.
+        heights, widths: (L,) int64 grid size of each patch's image.
+
+    Returns:
+        taps: (L, 16) int64 row indices into the flattened table.
+        weights: (L, 16) float64 weights; each row sums to 1.
+    """
+    row_taps, row_weights = _axis_taps(positions[:, 0], heights, table_height)
+    col_taps, col_weights = _axis_taps(positions[:, 1], widths, table_width)
+    taps = row_taps[:, :, None] * table_width + col_taps[:, None, :]
+    weights = row_weights[:, :, None] * col_weights[:, None, :]
+    return taps.flatten(1), weights.flatten(1)
+
+
+class LearnablePositionTable(nn.Module):
+    """A learnable (height, width, dim) table resampled to every image's grid."""
+
+    def __init__(self, height: int, width: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(height, width, dim))
+        nn.init.trunc_normal_(self.weight, std=0.02)
+
+    def forward(self, taps: torch.Tensor, tap_weights: torch.Tensor) -> torch.Tensor:
+        """(L, dim) position embeddings in the table's dtype.
+
+        Resampled in float32 (float64 tables stay float64) and rounded once,
+        as F.interpolate does for low-precision inputs.
+        """
+        compute_dtype = torch.promote_types(self.weight.dtype, torch.float32)
+        table = self.weight.flatten(0, 1).to(compute_dtype)
+        out = F.embedding_bag(taps, table, per_sample_weights=tap_weights.to(compute_dtype), mode="sum")
+        return out.to(self.weight.dtype)

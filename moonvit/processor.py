@@ -1,0 +1,580 @@
+"""Native-resolution image processor for MoonViT, following Kimi-VL's ``KimiVLImageProcessor``.
+
+Each image goes through five steps, every one set by a field of :class:`MoonViTImageProcessor`
+(named as in Kimi-VL's ``preprocessor_config.json`` where upstream has the setting):
+
+1. **Load** to RGB with Pillow: files are opened, the EXIF orientation is applied, any Pillow mode
+   is converted to RGB and transparency follows ``alpha_mode`` (see :func:`load_image`).
+2. **Resize** when ``(W // p) * (H // p) > in_token_limit`` (``p = patch_size``): both sides are
+   scaled by ``sqrt(in_token_limit / ((W // p) * (H // p)))``, truncated to int, with Pillow
+   bicubic on the uint8 image. Images are never upscaled.
+3. **Pad** the bottom and right with black (0 before normalisation) to multiples of
+   ``p * merge_kernel_size`` (28 px), so every image gives at least one merged token.
+4. **Check** that no side exceeds ``patch_limit_on_one_side`` (512) patches, the encoder's
+   position table: an error by default, or, with ``side_limit_mode="resize"``, Kimi-K2.5's
+   per-side cap folded into step 2.
+5. **Normalise** ``(x / 255 - image_mean) / image_std`` and **patchify** each image into
+   (rows * cols, 3, p, p) patches in raster order; images are concatenated.
+
+:meth:`MoonViTImageProcessor.plan_image` gives steps 2-4 from an image's size alone, and
+:func:`image_size` reads that size from a file header, so batches can be planned without decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Union, get_args
+
+import numpy as np
+import torch
+from PIL import ExifTags, Image
+
+__all__ = [
+    "CONFIG_NAME",
+    "ImageBatch",
+    "ImageInput",
+    "ImageLoadError",
+    "ImagePlan",
+    "ImageTooLargeError",
+    "MoonViTImageProcessor",
+    "image_size",
+    "is_image",
+    "load_image",
+    "patchify",
+    "unpatchify",
+]
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "preprocessor_config.json"
+
+ImageInput = Union[Image.Image, np.ndarray, torch.Tensor, str, os.PathLike]
+"""One image: a PIL image, an (H, W) / (H, W, C) uint8 array, a (C, H, W) / (H, W) tensor
+(uint8 0-255 or floating 0-1), or a file path; C is 1, 3 or 4 (4 = RGBA)."""
+
+AlphaMode = Literal["composite", "drop"]
+SideLimitMode = Literal["error", "resize"]
+Size = tuple[int, int]
+Box = tuple[int, int, int, int]
+
+_ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
+_16BIT_MODES = frozenset({"I;16", "I;16B", "I;16L", "I;16N"})
+_TRANSPOSE = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+class ImageLoadError(ValueError):
+    """An input cannot be read as an image.
+
+    Raised for a missing, unreadable, truncated or undecodable file (the message names it), a
+    refused decompression bomb (:class:`ImageTooLargeError`), a zero-sized image, an array or
+    tensor of the wrong dtype, shape or value range, and a Pillow mode with no RGB conversion.
+    Catch it to skip bad inputs.
+    """
+
+
+class ImageTooLargeError(ImageLoadError):
+    """A file has more pixels than ``PIL.Image.MAX_IMAGE_PIXELS`` (Pillow's decompression-bomb limit)."""
+
+
+# ---- loading ---------------------------------------------------------------------------------
+
+
+def is_image(obj: object) -> bool:
+    """Whether ``obj`` is one image input rather than a collection of them."""
+    return isinstance(obj, (Image.Image, np.ndarray, torch.Tensor, str, os.PathLike))
+
+
+def image_size(source: ImageInput) -> Size:
+    """(width, height) of ``source`` as the processor sees it, i.e. after EXIF orientation.
+
+    Files are read up to their header only (no pixel decoding); arrays and tensors are checked
+    for shape and dtype, so bad inputs fail here already (float tensors' value range is checked
+    when they are loaded).
+
+    Raises:
+        ImageLoadError: the input cannot be an image (see :class:`ImageLoadError`).
+    """
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        with _open_file(path) as image:
+            return _oriented_size(image)
+    if isinstance(source, Image.Image):
+        size = _oriented_size(source)
+    elif isinstance(source, np.ndarray):
+        size = _check_array(source)
+    elif isinstance(source, torch.Tensor):
+        size = _check_tensor(source)
+    else:
+        raise _unsupported(source)
+    _check_nonempty(size)
+    return size
+
+
+def load_image(
+    source: ImageInput,
+    *,
+    alpha_mode: AlphaMode = "composite",
+    background_color: tuple[int, int, int] = (255, 255, 255),
+) -> Image.Image:
+    """Decode ``source`` to an RGB PIL image, EXIF orientation applied.
+
+    Colour conversion:
+        - Transparency (an alpha band, or a ``transparency`` key in ``image.info`` as P, L and
+          RGB images with a tRNS chunk have): ``alpha_mode="composite"`` alpha-composites the
+          image over an opaque ``background_color``; ``"drop"`` discards alpha as Kimi-VL's
+          ``image.convert("RGB")`` does, which shows whatever colour transparent pixels store.
+        - 16-bit modes (``I;16*``) map 0-65535 onto 0-255 with rounding (Pillow's own
+          conversion clips at 255); every other mode (1, L, P, CMYK, YCbCr, I, F, ...) uses
+          Pillow's ``convert("RGB")``, without colour management.
+        - Multi-frame files give their first frame.
+        - Tensors: uint8 is taken as is; floating values must lie in [0, 1] and are quantised as
+          ``round(x * 255)``, since resizing is defined on uint8 pixels.
+
+    Raises:
+        ImageLoadError: the input cannot be an image (see :class:`ImageLoadError`).
+        ImageTooLargeError: a file has more than ``PIL.Image.MAX_IMAGE_PIXELS`` pixels (images
+            already in memory are not limited).
+    """
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        with _open_file(path) as image:
+            try:
+                return _decode(image, alpha_mode, background_color)
+            except (OSError, ValueError) as error:
+                raise ImageLoadError(f"cannot decode image file {path!r}: {error}") from error
+    if isinstance(source, Image.Image):
+        image = source
+    elif isinstance(source, np.ndarray):
+        image = _array_to_pil(source)
+    elif isinstance(source, torch.Tensor):
+        image = _array_to_pil(_tensor_to_array(source))
+    else:
+        raise _unsupported(source)
+    try:
+        return _decode(image, alpha_mode, background_color)
+    except OSError as error:
+        raise ImageLoadError(f"cannot decode PIL image {getattr(image, 'filename', '')!r}: {error}") from error
+
+
+def _unsupported(source: object) -> ImageLoadError:
+    return ImageLoadError(
+        f"unsupported image type {type(source).__name__}; expected a PIL image, a uint8 numpy "
+        "array, a tensor or a file path"
+    )
+
+
+def _open_file(path: str) -> Image.Image:
+    """Open ``path`` lazily (header only), refusing images over Pillow's pixel limit."""
+    try:
+        image = Image.open(path)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        raise ImageTooLargeError(f"refusing image file {path!r}: {error}") from error
+    except OSError as error:  # missing, unreadable, or not an image (UnidentifiedImageError)
+        raise ImageLoadError(f"cannot open image file {path!r}: {error}") from error
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit is not None and image.width * image.height > limit:
+        image.close()
+        raise ImageTooLargeError(
+            f"refusing image file {path!r}: {image.width}x{image.height} = {image.width * image.height} "
+            f"pixels exceeds PIL.Image.MAX_IMAGE_PIXELS = {limit} (decompression-bomb guard)"
+        )
+    return image
+
+
+def _orientation(image: Image.Image) -> int:
+    # PngImageFile.getexif() decodes the whole file to look for an eXIf chunk after the pixel
+    # data; the base method reads only the metadata parsed so far, so a size probed from the
+    # header always matches the decoded image.
+    orientation = Image.Image.getexif(image).get(ExifTags.Base.Orientation, 1)
+    return orientation if isinstance(orientation, int) else 1
+
+
+def _oriented_size(image: Image.Image) -> Size:
+    width, height = image.size
+    return (height, width) if _orientation(image) in (5, 6, 7, 8) else (width, height)
+
+
+def _check_nonempty(size: Size) -> None:
+    if size[0] == 0 or size[1] == 0:
+        raise ImageLoadError(f"image has zero size ({size[0]}x{size[1]} px)")
+
+
+def _decode(image: Image.Image, alpha_mode: AlphaMode, background: tuple[int, int, int]) -> Image.Image:
+    _check_nonempty(image.size)
+    transpose = _TRANSPOSE.get(_orientation(image))  # read before decoding, as image_size() does
+    image.load()  # so that a file's image outlives the file
+    rgb = _to_rgb(image, alpha_mode, background)
+    return rgb if transpose is None else rgb.transpose(transpose)
+
+
+def _to_rgb(image: Image.Image, alpha_mode: AlphaMode, background: tuple[int, int, int]) -> Image.Image:
+    if image.mode in _16BIT_MODES:
+        image = _16bit_to_8bit(image)
+    try:
+        if alpha_mode == "composite" and (image.mode in _ALPHA_MODES or "transparency" in image.info):
+            canvas = Image.new("RGBA", image.size, (*background, 255))
+            canvas.alpha_composite(image.convert("RGBA"))
+            return canvas.convert("RGB")
+        return image if image.mode == "RGB" else image.convert("RGB")
+    except ValueError as error:  # Pillow: "conversion from <mode> to <mode> not supported"
+        raise ImageLoadError(f"cannot convert Pillow mode {image.mode!r} to RGB: {error}") from error
+
+
+def _16bit_to_8bit(image: Image.Image) -> Image.Image:
+    values = np.asarray(image).astype(np.int64)
+    return Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8))
+
+
+def _check_array(array: np.ndarray) -> Size:
+    if array.dtype != np.uint8:
+        raise ImageLoadError(f"numpy images must be uint8 (0-255), got dtype {array.dtype}")
+    if not (array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (1, 3, 4))):
+        raise ImageLoadError(
+            f"numpy images must be (H, W) or (H, W, C) with C in (1, 3, 4), got shape {array.shape}"
+        )
+    return array.shape[1], array.shape[0]
+
+
+def _array_to_pil(array: np.ndarray) -> Image.Image:
+    _check_nonempty(_check_array(array))
+    if array.ndim == 3 and array.shape[2] == 1:
+        array = array[:, :, 0]
+    return Image.fromarray(np.ascontiguousarray(array))  # mode L, RGB or RGBA from the shape
+
+
+def _check_tensor(tensor: torch.Tensor) -> Size:
+    if tensor.dtype != torch.uint8 and not tensor.is_floating_point():
+        raise ImageLoadError(f"image tensors must be uint8 (0-255) or floating (0-1), got {tensor.dtype}")
+    if not (tensor.ndim == 2 or (tensor.ndim == 3 and tensor.shape[0] in (1, 3, 4))):
+        raise ImageLoadError(
+            f"image tensors must be (H, W) or (C, H, W) with C in (1, 3, 4), got shape {tuple(tensor.shape)}"
+        )
+    return tensor.shape[-1], tensor.shape[-2]
+
+
+def _tensor_to_array(tensor: torch.Tensor) -> np.ndarray:
+    """(C, H, W) or (H, W) uint8 / float tensor -> (H, W, C) or (H, W) uint8 array."""
+    _check_tensor(tensor)
+    pixels = tensor.detach().cpu()
+    if pixels.is_floating_point():
+        pixels = pixels.float()
+        if not bool(((pixels >= 0) & (pixels <= 1)).all()):
+            raise ImageLoadError(
+                "floating image tensors must hold values in [0, 1], got values in "
+                f"[{pixels.min().item()}, {pixels.max().item()}]"
+            )
+        pixels = pixels.mul(255).round_().to(torch.uint8)
+    if pixels.ndim == 3:
+        pixels = pixels.permute(1, 2, 0)
+    return pixels.contiguous().numpy()
+
+
+# ---- patches ---------------------------------------------------------------------------------
+
+
+def patchify(image: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """Cut a (C, H, W) image into (H/p * W/p, C, p, p) patches in raster (row-major) order.
+
+    H and W must be multiples of ``patch_size``; the dtype is kept.
+    """
+    channels, height, width = image.shape
+    if height % patch_size or width % patch_size:
+        raise ValueError(f"image of {height}x{width} px is not a multiple of the {patch_size} px patch")
+    rows, cols = height // patch_size, width // patch_size
+    return (
+        image.reshape(channels, rows, patch_size, cols, patch_size)
+        .permute(1, 3, 0, 2, 4)
+        .reshape(rows * cols, channels, patch_size, patch_size)
+    )
+
+
+def unpatchify(patches: torch.Tensor, grid_hw: Sequence[int]) -> torch.Tensor:
+    """Inverse of :func:`patchify`: (rows * cols, C, p, p) patches -> (C, rows * p, cols * p)."""
+    rows, cols = (int(n) for n in grid_hw)
+    count, channels, patch_size, _ = patches.shape
+    if count != rows * cols:
+        raise ValueError(f"{count} patches do not fill a {rows}x{cols} grid")
+    return (
+        patches.reshape(rows, cols, channels, patch_size, patch_size)
+        .permute(2, 0, 3, 1, 4)
+        .reshape(channels, rows * patch_size, cols * patch_size)
+    )
+
+
+# ---- processor -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """Geometry of one image through the processor, computed from its size alone.
+
+    Attributes:
+        size: (width, height) of the input, after EXIF orientation.
+        resized_size: (width, height) after the size-budget / side-limit resize (== ``size``
+            when the image is not resized).
+        box: (left, top, right, bottom) region of the resized image that becomes the output; the
+            part past its right and bottom edges is black padding.
+        grid_hw: (rows, cols) of patches.
+    """
+
+    size: Size
+    resized_size: Size
+    box: Box
+    grid_hw: Size
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid_hw[0] * self.grid_hw[1]
+
+
+@dataclass
+class ImageBatch:
+    """The processor's output for N images holding L patches in total.
+
+    Attributes:
+        pixel_values: (L, 3, p, p) float32, normalised; each image's patches in raster order,
+            images concatenated.
+        grid_hws: (N, 2) int64, patch rows and columns of each image.
+    """
+
+    pixel_values: torch.Tensor
+    grid_hws: torch.Tensor
+
+    def to(self, device: torch.device | str) -> ImageBatch:
+        return ImageBatch(self.pixel_values.to(device), self.grid_hws.to(device))
+
+
+@dataclass(frozen=True)
+class MoonViTImageProcessor:
+    """Kimi-VL's native-resolution image processor (see the module docstring for the steps).
+
+    Call it on one image or a list of them (:data:`ImageInput`) to get an :class:`ImageBatch`.
+
+    Attributes:
+        patch_size: patch side p in pixels.
+        merge_kernel_size: (rows, cols) of the patch merger; images are padded to multiples of
+            ``p * merge_kernel_size`` px.
+        in_token_limit: patch budget per image: larger images are scaled down to about this many
+            patches (4096 for Kimi-VL-A3B-Instruct/-Thinking, 16384 for -Thinking-2506). Padding
+            can push the final count slightly above it, as upstream.
+        pad_input: pad to multiples of ``p * merge`` (upstream's shipped setting). False
+            centre-crops to those multiples instead (upstream crops to multiples of p, which
+            leaves grids the merger cannot split into 2x2 groups).
+        image_mean, image_std: per-channel normalisation of pixels scaled to [0, 1].
+        patch_limit_on_one_side: most patches along either side (the encoder's 512x512 tables).
+        side_limit_mode: "error" refuses an image whose grid exceeds the limit, as Kimi-VL does
+            (Kimi-VL also refuses exactly 512, which the encoder accepts); "resize" scales it
+            down, with Kimi-K2.5's ``min(1, sqrt(limit / patches), 512 p / W, 512 p / H)``.
+        alpha_mode: "composite" paints transparent pixels over ``background_color``; "drop"
+            discards alpha like upstream's ``convert("RGB")`` (see :func:`load_image`).
+        background_color: RGB (0-255) behind transparent pixels in "composite" mode.
+    """
+
+    patch_size: int = 14
+    merge_kernel_size: tuple[int, int] = (2, 2)
+    in_token_limit: int = 4096
+    pad_input: bool = True
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    patch_limit_on_one_side: int = 512
+    side_limit_mode: SideLimitMode = "error"
+    alpha_mode: AlphaMode = "composite"
+    background_color: tuple[int, int, int] = (255, 255, 255)
+
+    def __post_init__(self) -> None:
+        for name in ("patch_size", "in_token_limit", "patch_limit_on_one_side"):
+            _check_positive_int(name, getattr(self, name))
+        merge = _as_tuple("merge_kernel_size", self.merge_kernel_size, 2, int)
+        for kernel in merge:
+            _check_positive_int("merge_kernel_size", kernel)
+        mean = _as_tuple("image_mean", self.image_mean, 3, float)
+        std = _as_tuple("image_std", self.image_std, 3, float)
+        if min(std) <= 0:
+            raise ValueError(f"image_std must be positive, got {std}")
+        background = _as_tuple("background_color", self.background_color, 3, int)
+        if not all(0 <= value <= 255 for value in background):
+            raise ValueError(f"background_color must be RGB values in 0-255, got {background}")
+        if self.patch_limit_on_one_side < max(merge):
+            raise ValueError("patch_limit_on_one_side must hold at least one merge kernel")
+        _check_choice("side_limit_mode", self.side_limit_mode, SideLimitMode)
+        _check_choice("alpha_mode", self.alpha_mode, AlphaMode)
+        if not isinstance(self.pad_input, bool):
+            raise ValueError(f"pad_input must be a bool, got {self.pad_input!r}")
+        for name, value in (("merge_kernel_size", merge), ("image_mean", mean), ("image_std", std),
+                            ("background_color", background)):
+            object.__setattr__(self, name, value)
+
+    # ---- configuration ---------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, **overrides: Any) -> MoonViTImageProcessor:
+        """Read ``preprocessor_config.json`` from a checkpoint folder (or the file itself).
+
+        A folder without the file gives the defaults. Keys that are not fields (such as
+        Kimi-VL's ``num_pooled_tokens``, ``image_processor_type`` or ``auto_map``) are ignored;
+        ``overrides`` replace the file's values.
+        """
+        path = Path(path)
+        file = path / CONFIG_NAME if path.is_dir() else path
+        if path.is_dir() and not file.is_file():
+            logger.info("no %s in %s: using the default processor settings", CONFIG_NAME, path)
+            return cls(**overrides)
+        config = json.loads(file.read_text())
+        known = {f.name for f in dataclasses.fields(cls)}
+        logger.debug("ignoring preprocessor keys %s", sorted(config.keys() - known))
+        return cls(**{**{k: v for k, v in config.items() if k in known}, **overrides})
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write the settings to ``directory/preprocessor_config.json`` and return that path."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        file = directory / CONFIG_NAME
+        file.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return file
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"image_processor_type": type(self).__name__, **dataclasses.asdict(self)}
+
+    # ---- geometry --------------------------------------------------------------------------
+
+    def plan_image(self, width: int, height: int, *, in_token_limit: int | None = None) -> ImagePlan:
+        """The resize, padding and patch grid of a ``width`` x ``height`` image, without pixels.
+
+        ``in_token_limit`` replaces the processor's own budget for this image.
+
+        Raises:
+            ValueError: the grid exceeds ``patch_limit_on_one_side`` with ``side_limit_mode="error"``,
+                or, with ``pad_input=False``, the image is smaller than one merged token.
+        """
+        if width < 1 or height < 1:
+            raise ValueError(f"image size must be positive, got {width}x{height}")
+        limit = self.in_token_limit if in_token_limit is None else in_token_limit
+        _check_positive_int("in_token_limit", limit)
+        scale = self._scale(width, height, limit)
+        resized = (width, height) if scale >= 1 else (max(1, int(width * scale)), max(1, int(height * scale)))
+        box = self._box(*resized)
+        grid = ((box[3] - box[1]) // self.patch_size, (box[2] - box[0]) // self.patch_size)
+        if max(grid) > self.patch_limit_on_one_side:
+            raise ValueError(
+                f"a {width}x{height} image gives a {grid[0]}x{grid[1]} patch grid: a side over "
+                f"{self.patch_limit_on_one_side} patches exceeds the position table (use "
+                "side_limit_mode='resize' to scale such images down)"
+            )
+        return ImagePlan((width, height), resized, box, grid)
+
+    def _scale(self, width: int, height: int, limit: int) -> float:
+        """Resize factor: the token budget, and in "resize" mode the per-side cap (never > 1)."""
+        patches = (width // self.patch_size) * (height // self.patch_size)
+        scale = math.sqrt(limit / patches) if patches > limit else 1.0
+        if self.side_limit_mode == "resize":
+            max_h, max_w = (
+                self.patch_limit_on_one_side // kernel * kernel * self.patch_size for kernel in self.merge_kernel_size
+            )
+            scale = min(scale, max_w / width, max_h / height)
+        return scale
+
+    def _box(self, width: int, height: int) -> Box:
+        unit_h, unit_w = (kernel * self.patch_size for kernel in self.merge_kernel_size)
+        if self.pad_input:
+            return (0, 0, -(-width // unit_w) * unit_w, -(-height // unit_h) * unit_h)
+        crop_w, crop_h = width // unit_w * unit_w, height // unit_h * unit_h
+        if crop_w == 0 or crop_h == 0:
+            raise ValueError(
+                f"a {width}x{height} image is smaller than one merged token ({unit_w}x{unit_h} px); "
+                "pad_input=False crops instead of padding"
+            )
+        left, top = (width - crop_w) // 2, (height - crop_h) // 2
+        return (left, top, left + crop_w, top + crop_h)
+
+    # ---- processing ------------------------------------------------------------------------
+
+    def load_image(self, source: ImageInput) -> Image.Image:
+        """:func:`load_image` with this processor's transparency settings."""
+        return load_image(source, alpha_mode=self.alpha_mode, background_color=self.background_color)
+
+    def __call__(
+        self,
+        images: ImageInput | Sequence[ImageInput],
+        *,
+        in_token_limit: int | Sequence[int | None] | None = None,
+    ) -> ImageBatch:
+        """Process one image or a list / tuple of them into an :class:`ImageBatch`.
+
+        Images are decoded one at a time. ``in_token_limit`` (one value, or one per image, None
+        meaning the processor's own) replaces the size budget.
+
+        Raises:
+            ImageLoadError: an input cannot be read as an image.
+            ValueError: an image exceeds the position table (see :meth:`plan_image`).
+        """
+        sources = list(images) if isinstance(images, (list, tuple)) else [images]
+        if in_token_limit is None or isinstance(in_token_limit, int):
+            limits = [in_token_limit] * len(sources)
+        else:
+            limits = list(in_token_limit)
+            if len(limits) != len(sources):
+                raise ValueError(f"got {len(limits)} in_token_limit values for {len(sources)} images")
+        patches, grids = [], []
+        for source, limit in zip(sources, limits):
+            image = self.load_image(source)
+            plan = self.plan_image(*image.size, in_token_limit=limit)
+            patches.append(patchify(self._render(image, plan), self.patch_size))
+            grids.append(plan.grid_hw)
+        p = self.patch_size
+        pixels = torch.cat(patches) if patches else torch.empty((0, 3, p, p), dtype=torch.uint8)
+        return ImageBatch(self._normalize(pixels), torch.tensor(grids, dtype=torch.int64).reshape(-1, 2))
+
+    @staticmethod
+    def _render(image: Image.Image, plan: ImagePlan) -> torch.Tensor:
+        """Resize (Pillow bicubic on uint8) and pad an RGB image: (3, rows * p, cols * p) uint8."""
+        if image.size != plan.resized_size:
+            image = image.resize(plan.resized_size, Image.Resampling.BICUBIC)
+        if plan.box != (0, 0, *image.size):
+            image = image.crop(plan.box)  # Pillow fills the area past the image with 0: black padding
+        return torch.from_numpy(np.array(image)).permute(2, 0, 1)
+
+    def _normalize(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 (..., 3, p, p) -> float32 ``(x / 255 - mean) / std``, in upstream's op order."""
+        mean = torch.tensor(self.image_mean).view(3, 1, 1)
+        std = torch.tensor(self.image_std).view(3, 1, 1)
+        return pixels.float().div_(255).sub_(mean).div_(std)
+
+    def to_images(self, pixel_values: torch.Tensor, grid_hws: torch.Tensor) -> list[torch.Tensor]:
+        """Invert the processor's output: one (3, rows * p, cols * p) uint8 image per grid, padded."""
+        mean = torch.tensor(self.image_mean).view(3, 1, 1)
+        std = torch.tensor(self.image_std).view(3, 1, 1)
+        pixels = (pixel_values.float().cpu() * std + mean).mul_(255).round_().clamp_(0, 255).to(torch.uint8)
+        grids = grid_hws.tolist()
+        return [unpatchify(chunk, grid) for chunk, grid in zip(pixels.split([h * w for h, w in grids]), grids)]
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_choice(name: str, value: object, choices: Any) -> None:
+    if value not in get_args(choices):
+        raise ValueError(f"{name} must be one of {get_args(choices)}, got {value!r}")
+
+
+def _as_tuple(name: str, value: Any, length: int, kind: type) -> tuple:
+    values = tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) else (value,)
+    if len(values) != length:
+        raise ValueError(f"{name} must hold {length} values, got {value!r}")
+    return tuple(kind(v) for v in values)

@@ -1,0 +1,96 @@
+"""Shared builders for the tests: non-trivial weights, packs, Kimi-VL-format folders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from moonvit import MoonViT, MoonViTConfig, preset_config
+
+
+def randomize_(model: MoonViT, seed: int = 0) -> MoonViT:
+    """Give every parameter values a faithful port must get right: nonzero biases,
+    LayerNorm weights away from 1, a position table with large values."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float64).to(param.dtype)
+            if "norm" in name and name.endswith("weight"):
+                param.copy_(1.5 + 0.5 * noise)
+            elif "pos_emb" in name:
+                param.copy_(3.0 * noise)
+            elif name.endswith("bias"):
+                param.copy_(0.2 * noise)
+            else:
+                param.copy_(noise / param.shape[-1] ** 0.5 if param.ndim == 2 else 0.05 * noise)
+    return model
+
+
+def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> MoonViT:
+    return randomize_(MoonViT(preset_config("tiny", **overrides)), seed).to(dtype).eval()
+
+
+def random_pack(grids: list[tuple[int, int]], patch_size: int = 14, seed: int = 0, dtype=torch.float32):
+    """(pixel_values (L, 3, p, p), grid_hws (N, 2) int64) for the given grids."""
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(h * w for h, w in grids)
+    pixels = torch.rand(n, 3, patch_size, patch_size, generator=gen, dtype=torch.float64) * 2 - 1
+    return pixels.to(dtype), torch.tensor(grids, dtype=torch.int64)
+
+
+def write_kimi_vl_folder(
+    folder: Path,
+    model: MoonViT,
+    *,
+    text_hidden_size: int = 2048,
+    other_tensors: dict[str, torch.Tensor] | None = None,
+    sharded: bool = False,
+) -> Path:
+    """A folder laid out like a Kimi-VL release: ``vision_config`` in config.json,
+    tensors under ``vision_tower.``, plus other (language-model, projector) tensors.
+
+    With ``sharded``, the vision tensors are split over two shards, the first of
+    which also holds one of the other tensors, and the rest of the other tensors
+    go to a third shard of their own, as in the released index files.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    c: MoonViTConfig = model.config
+    config = {
+        "model_type": "kimi_vl",
+        "architectures": ["KimiVLForConditionalGeneration"],
+        "vision_config": {
+            "model_type": "moonvit",
+            "patch_size": c.patch_size,
+            "init_pos_emb_height": c.init_pos_emb_height,
+            "init_pos_emb_width": c.init_pos_emb_width,
+            "num_attention_heads": c.num_attention_heads,
+            "num_hidden_layers": c.num_hidden_layers,
+            "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "merge_kernel_size": list(c.merge_kernel_size),
+        },
+        "text_config": {"model_type": "deepseek_v3", "hidden_size": text_hidden_size},
+        "media_placeholder_token_id": 163605,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    vision = {f"vision_tower.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
+    other = dict(other_tensors or {})
+    if not sharded:
+        save_file({**vision, **other}, folder / "model.safetensors")
+        return folder
+    names = list(vision)
+    other_names = list(other)
+    shards = {
+        "model-00001-of-00003.safetensors": {k: vision[k] for k in names[::2]} | {k: other[k] for k in other_names[:1]},
+        "model-00002-of-00003.safetensors": {k: vision[k] for k in names[1::2]},
+        "model-00003-of-00003.safetensors": {k: other[k] for k in other_names[1:]},
+    }
+    weight_map = {}
+    for file, tensors in shards.items():
+        save_file(tensors, folder / file)
+        weight_map.update({k: file for k in tensors})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder

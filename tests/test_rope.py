@@ -1,0 +1,50 @@
+import torch
+
+from moonvit.rope import apply_rope, rope_angles, rope_frequencies
+
+
+def test_frequencies_of_the_released_head_dim():
+    freqs = rope_frequencies(72, 10000.0)
+    assert freqs.shape == (18,) and freqs.dtype == torch.float32
+    expected = torch.tensor([10000.0 ** (-k / 72) for k in range(0, 72, 4)])
+    torch.testing.assert_close(freqs, expected)
+
+
+def test_column_rotates_even_pairs_row_rotates_odd_pairs():
+    head_dim = 8  # two frequencies: 1 and 10000 ** -0.5
+    x = torch.zeros(2, 1, head_dim)
+    x[..., 0::2] = 1.0  # every complex pair = 1 + 0j
+    positions = torch.tensor([[0, 3], [2, 0]])  # (row 0, col 3) and (row 2, col 0)
+    out = apply_rope(x, *rope_angles(positions, head_dim, 10000.0)).view(2, 4, 2)
+    angles = torch.atan2(out[..., 1], out[..., 0])
+    f1 = 10000.0**-0.5
+    torch.testing.assert_close(angles[0], torch.tensor([3.0, 0.0, 3.0 * f1, 0.0]))
+    torch.testing.assert_close(angles[1], torch.tensor([0.0, 2.0, 0.0, 2.0 * f1]))
+
+
+def test_matches_complex_multiplication():
+    head_dim, heads = 72, 3
+    positions = torch.stack(torch.meshgrid(torch.arange(9), torch.arange(13), indexing="ij"), -1).reshape(-1, 2)
+    x = torch.randn(len(positions), heads, head_dim)
+    freqs = rope_frequencies(head_dim, 10000.0)
+    angle = torch.stack([positions[:, 1:].float() * freqs, positions[:, :1].float() * freqs], -1).flatten(1)
+    expected = torch.view_as_real(
+        torch.view_as_complex(x.reshape(-1, heads, head_dim // 2, 2)) * torch.polar(torch.ones_like(angle), angle)[:, None]
+    ).reshape(x.shape)
+    torch.testing.assert_close(apply_rope(x, *rope_angles(positions, head_dim, 10000.0)), expected)
+
+
+def test_low_precision_is_rotated_in_float32_and_cast_back():
+    positions = torch.tensor([[5, 7], [511, 511]])
+    x = torch.randn(2, 2, 16).bfloat16()
+    cos, sin = rope_angles(positions, 16, 10000.0)
+    out = apply_rope(x, cos, sin)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, apply_rope(x.float(), cos, sin).bfloat16())
+
+
+def test_rotation_preserves_norm_at_large_positions():
+    positions = torch.tensor([[511, 0], [0, 511], [300, 200]])
+    x = torch.randn(3, 4, 72, dtype=torch.float64)
+    out = apply_rope(x, *rope_angles(positions, 72, 10000.0))
+    torch.testing.assert_close(out.norm(dim=-1), x.norm(dim=-1))
