@@ -19,9 +19,10 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
+import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -39,15 +40,19 @@ class CheckpointError(ValueError):
     """A checkpoint folder that cannot be loaded as it stands."""
 
 
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from err
+
+
 def read_config(folder: Path) -> tuple[MoonViTConfig, str]:
     """The encoder config of a checkpoint folder, and the prefix of its tensor names."""
     path = folder / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{folder} has no config.json")
-    try:
-        values = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path} is not valid JSON: {err}") from err
+    values = read_json(path)
     if "vision_config" in values:
         return MoonViTConfig.from_dict(values["vision_config"]), KIMI_VL_PREFIX
     return MoonViTConfig.from_dict(values), ""
@@ -57,7 +62,7 @@ def tensor_files(folder: Path, prefix: str) -> dict[Path, list[str]]:
     """Map each safetensors file that holds tensors under ``prefix`` to those names."""
     index = folder / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no weight_map")
         files: dict[Path, list[str]] = defaultdict(list)
@@ -82,15 +87,7 @@ def load_pretrained(
     device: torch.device | str | None = None,
     attn_implementation: str = "auto",
 ) -> "MoonViT":
-    """Build ``cls`` from a checkpoint folder, reading only the vision tensors.
-
-    The model is first built on the meta device and its parameters are then
-    assigned from the file, so peak memory is about one copy of the tower.
-
-    Raises:
-        CheckpointError: no such folder, no config or tensors, or tensors that are
-            missing, unexpected or of the wrong shape (all of them named).
-    """
+    """Build ``cls`` from a checkpoint folder, reading only the vision tensors (see :func:`assign_from_files`)."""
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
@@ -98,40 +95,65 @@ def load_pretrained(
     config.attn_implementation = attn_implementation
     with torch.device("meta"):
         model = cls(config)
-    expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    return assign_from_files(model, tensor_files(folder, prefix), lambda name: prefix + name, folder, dtype, device)
 
-    files = tensor_files(folder, prefix)
-    found = {name[len(prefix):]: file for file, names in files.items() for name in names}
-    missing = sorted(set(expected) - set(found))
-    unexpected = sorted(set(found) - set(expected))
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def assign_from_files(
+    model: M,
+    files: dict[Path, list[str]],
+    checkpoint_name: Callable[[str], str],
+    folder: Path,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> M:
+    """Give a model built on the meta device its parameters from safetensors files.
+
+    Args:
+        model: built under ``torch.device("meta")``.
+        files: each file and the checkpoint names to take from it; together they
+            must be exactly the model's parameters.
+        checkpoint_name: the checkpoint's name of each state-dict entry.
+        dtype: defaults to the checkpoint dtype of the model's first matrix.
+
+    Only the listed tensors are read, one copy each, so peak memory is about
+    one copy of the model. Returns the model in eval mode.
+
+    Raises:
+        CheckpointError: tensors missing, unexpected or of the wrong shape, all named.
+    """
+    params = model.state_dict()
+    model_name = {checkpoint_name(name): name for name in params}
+    found = {name for names in files.values() for name in names}
+    missing, unexpected = sorted(set(model_name) - found), sorted(found - set(model_name))
     if missing or unexpected:
         raise CheckpointError(
-            f"{folder} does not match the MoonViT config: "
-            f"missing {[prefix + n for n in missing]}, unexpected {[prefix + n for n in unexpected]}"
+            f"{folder} does not match the {type(model).__name__} config: missing {missing}, unexpected {unexpected}"
         )
-
     wrong_shape = []
     for file, names in files.items():
         with safe_open(file, framework="pt") as f:
-            for full_name in names:
-                shape = tuple(f.get_slice(full_name).get_shape())
-                if shape != tuple(expected[full_name[len(prefix):]]):
-                    wrong_shape.append(f"{full_name}: {shape}, expected {tuple(expected[full_name[len(prefix):]])}")
+            for name in names:
+                shape, wanted = tuple(f.get_slice(name).get_shape()), tuple(params[model_name[name]].shape)
+                if shape != wanted:
+                    wrong_shape.append(f"{name}: {shape}, expected {wanted}")
     if wrong_shape:
         raise CheckpointError(f"{folder} has tensors of the wrong shape: " + "; ".join(wrong_shape))
 
     if dtype is None:
-        reference = prefix + "patch_embed.proj.weight"
-        with safe_open(found["patch_embed.proj.weight"], framework="pt") as f:
-            dtype = f.get_tensor(reference).dtype
+        first_matrix = checkpoint_name(next(name for name, p in params.items() if p.ndim >= 2))
+        file = next(file for file, names in files.items() if first_matrix in names)
+        with safe_open(file, framework="pt") as f:
+            dtype = f.get_slice(first_matrix)[:1].dtype
     # safetensors maps the file lazily; copy each tensor out so the model never
     # aliases the file (which a later save to the same folder would overwrite).
     state: dict[str, torch.Tensor] = {}
     for file, names in files.items():
         with safe_open(file, framework="pt") as f:
-            for full_name in names:
-                tensor = f.get_tensor(full_name)
-                state[full_name[len(prefix):]] = tensor.to(device=device or "cpu", dtype=dtype, copy=True)
+            for name in names:
+                state[model_name[name]] = f.get_tensor(name).to(device=device or "cpu", dtype=dtype, copy=True)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
 

@@ -1,0 +1,31 @@
+"""projector: MoonViT's merged patches into a language model's token stream.
+
+- :class:`MoonViTProjector` maps the encoder's ``out.merged`` (L / 4, 4, D) to
+  (L / 4, text_hidden_size): Kimi-VL's / Kimi-K2.5's projector, or a LLaVA-style
+  ``mlp2x_gelu`` one for training from scratch.
+- :func:`splice_visual_tokens` (one placeholder per visual token, Kimi-VL) and
+  :func:`expand_visual_tokens` (one placeholder per image) put those tokens into
+  a language model's ``inputs_embeds``.
+"""
+
+from .model import PROJECTOR_TYPES, MoonViTProjector, ProjectorConfig
+from .splice import (
+    IGNORE_INDEX,
+    MEDIA_PAD_TOKEN_ID,
+    ExpandedInputs,
+    expand_visual_tokens,
+    splice_visual_tokens,
+    visual_token_counts,
+)
+
+__all__ = [
+    "IGNORE_INDEX",
+    "MEDIA_PAD_TOKEN_ID",
+    "PROJECTOR_TYPES",
+    "ExpandedInputs",
+    "MoonViTProjector",
+    "ProjectorConfig",
+    "expand_visual_tokens",
+    "splice_visual_tokens",
+    "visual_token_counts",
+]

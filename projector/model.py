@@ -1,0 +1,309 @@
+"""The projector from MoonViT's merged patches to a language model's embedding space.
+
+Two architectures, chosen by :attr:`ProjectorConfig.projector_type`:
+
+- ``"kimi"``: Kimi-VL's and Kimi-K2.5's projector. LayerNorm over the D features
+  of each patch (before the patches of a group are joined), then the kh * kw
+  patches of a group concatenated to kh * kw * D, Linear(4D -> 4D), exact (erf)
+  GELU, Linear(4D -> text_hidden_size).
+- ``"mlp2x_gelu"``: LLaVA-1.5's projector, for training from scratch. No norm;
+  Linear(4D -> text_hidden_size), exact GELU, Linear(text_hidden_size ->
+  text_hidden_size) on each flattened merged token.
+
+Checkpoints are read from a local folder in one of three layouts:
+
+- this project's own: ``projector_config.json`` + ``projector.safetensors``
+  (tensor names ``pre_norm.*``, ``linear_1.*``, ``linear_2.*``). The names do
+  not clash with the encoder's ``config.json`` / ``model.safetensors`` or the
+  processor's ``preprocessor_config.json``, so one folder holds all three.
+- Kimi-VL's: ``config.json`` with ``vision_config`` / ``text_config``, tensors
+  ``multi_modal_projector.{pre_norm,linear_1,linear_2}.*``.
+- Kimi-K2.5's: the same config sections, tensors
+  ``mm_projector.{pre_norm,proj.0,proj.2}.*``.
+
+Kimi checkpoints are usually sharded beside a large language model
+(``model.safetensors.index.json``); only the shards that hold projector tensors
+are opened, and only those tensors are read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moonvit.checkpoint import CheckpointError, assign_from_files, read_json, tensor_files
+from moonvit.config import MoonViTConfig
+
+PROJECTOR_TYPES = ("kimi", "mlp2x_gelu")
+CONFIG_FILE = "projector_config.json"
+WEIGHTS_FILE = "projector.safetensors"
+# Where Kimi configs keep D, in order of preference: the projector's own input width
+# (K2.5), the tower's width (Kimi-VL, transformers), the tower's width (K2.5 remote code).
+VISION_HIDDEN_KEYS = ("mm_hidden_size", "hidden_size", "vt_hidden_size")
+
+
+# ---- configuration ------------------------------------------------------------------
+
+
+@dataclass
+class ProjectorConfig:
+    """Hyper-parameters of a :class:`MoonViTProjector`.
+
+    The defaults are Kimi-VL-A3B's projector (MoonViT-SO-400M into a 2048-wide LLM).
+
+    Attributes:
+        projector_type: ``"kimi"`` or ``"mlp2x_gelu"`` (see the module docstring).
+        vision_hidden_size: D, the encoder's per-patch width.
+        text_hidden_size: the language model's embedding width (the output width).
+        merge_kernel_size: (kh, kw), patches per merged token along rows and columns.
+        layer_norm_eps: epsilon of the ``"kimi"`` pre-norm.
+    """
+
+    projector_type: str = "kimi"
+    vision_hidden_size: int = 1152
+    text_hidden_size: int = 2048
+    merge_kernel_size: tuple[int, int] = (2, 2)
+    layer_norm_eps: float = 1e-5
+    model_type: str = field(default="moonvit_projector", init=False)
+
+    def __post_init__(self) -> None:
+        self.merge_kernel_size = tuple(int(k) for k in self.merge_kernel_size)
+        if self.projector_type not in PROJECTOR_TYPES:
+            raise ValueError(f"projector_type must be one of {PROJECTOR_TYPES}, got {self.projector_type!r}")
+        if len(self.merge_kernel_size) != 2 or min(self.merge_kernel_size) < 1:
+            raise ValueError(f"merge_kernel_size must be two positive ints, got {self.merge_kernel_size}")
+        for name in ("vision_hidden_size", "text_hidden_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def patches_per_token(self) -> int:
+        """kh * kw, the patches joined into one merged token."""
+        return self.merge_kernel_size[0] * self.merge_kernel_size[1]
+
+    @property
+    def merged_hidden_size(self) -> int:
+        """kh * kw * D, the width of a flattened merged token."""
+        return self.patches_per_token * self.vision_hidden_size
+
+    @property
+    def intermediate_size(self) -> int:
+        """Width between the two linears: 4D for ``"kimi"``, text_hidden_size for ``"mlp2x_gelu"``."""
+        return self.merged_hidden_size if self.projector_type == "kimi" else self.text_hidden_size
+
+    @classmethod
+    def for_encoder(cls, encoder_config: MoonViTConfig, text_hidden_size: int, **overrides: Any) -> "ProjectorConfig":
+        """The config that fits ``encoder_config``'s width and merge kernel, for a new projector."""
+        return cls(
+            vision_hidden_size=encoder_config.hidden_size,
+            merge_kernel_size=encoder_config.merge_kernel_size,
+            text_hidden_size=text_hidden_size,
+            **overrides,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["merge_kernel_size"] = list(self.merge_kernel_size)
+        return out
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "ProjectorConfig":
+        """Build from a dict, ignoring keys that are not fields."""
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+
+# ---- the module -----------------------------------------------------------------------
+
+
+class MoonViTProjector(nn.Module):
+    """Maps MoonViT's merged patch groups to language-model tokens.
+
+    Call it on the encoder's ``out.merged`` (N, kh * kw, D) to get (N, text_hidden_size),
+    one LLM token per merged token, images in the encoder's packing order.
+    """
+
+    def __init__(self, config: ProjectorConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.pre_norm = (
+            nn.LayerNorm(config.vision_hidden_size, eps=config.layer_norm_eps)
+            if config.projector_type == "kimi"
+            else None
+        )
+        self.linear_1 = nn.Linear(config.merged_hidden_size, config.intermediate_size)
+        self.linear_2 = nn.Linear(config.intermediate_size, config.text_hidden_size)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> "MoonViTProjector":
+        """Load from a local folder: this project's format, a Kimi-VL or a Kimi-K2.5 checkpoint.
+
+        ``projector_config.json``, where present, is read in preference to a
+        Kimi ``config.json``. Only the projector's tensors are read; ``dtype``
+        defaults to the checkpoint's. The model is returned in eval mode.
+
+        Raises:
+            CheckpointError: no such folder, no config or projector tensors, an
+                unsupported projector, or tensors that are missing, unexpected or of
+                the wrong shape (all of them named).
+        """
+        folder = Path(path)
+        if not folder.is_dir():
+            raise CheckpointError(f"checkpoint folder {folder} does not exist")
+        if (folder / CONFIG_FILE).is_file():
+            config, layout, files = _read_own_format(folder)
+        elif (folder / "config.json").is_file():
+            config = _config_from_kimi(read_json(folder / "config.json"), folder)
+            layout, files = _find_kimi_projector(folder)
+        else:
+            raise CheckpointError(f"{folder} has neither {CONFIG_FILE} nor config.json")
+        with torch.device("meta"):
+            model = cls(config)
+        return assign_from_files(model, files, layout.checkpoint_name, folder, dtype, device)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write ``projector_config.json`` and ``projector.safetensors`` to the folder ``path``.
+
+        The folder may also hold the encoder's and the processor's files.
+        """
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / CONFIG_FILE).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+        state = {name: tensor.detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
+        save_file(state, folder / WEIGHTS_FILE, metadata={"format": "pt"})
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.linear_1.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.linear_1.weight.device
+
+    def forward(self, merged: torch.Tensor) -> torch.Tensor:
+        """Project merged patch groups to language-model tokens.
+
+        Args:
+            merged: (..., kh * kw, D) floating, e.g. the encoder's ``out.merged``
+                (L / 4, 4, D); cast to the projector's dtype.
+
+        Returns:
+            (..., text_hidden_size) in the projector's dtype.
+        """
+        self._check_input(merged)
+        x = merged.to(self.dtype)
+        if self.pre_norm is not None:
+            x = self.pre_norm(x)
+        x = F.gelu(self.linear_1(x.flatten(-2)))
+        return self.linear_2(x)
+
+    def _check_input(self, merged: torch.Tensor) -> None:
+        expected = (self.config.patches_per_token, self.config.vision_hidden_size)
+        if not isinstance(merged, torch.Tensor):
+            raise TypeError(f"the projector's input must be a tensor, got {type(merged).__name__}")
+        if not merged.dtype.is_floating_point:
+            raise TypeError(f"the projector's input must be floating, got {merged.dtype}")
+        if merged.ndim < 2 or tuple(merged.shape[-2:]) != expected:
+            raise ValueError(
+                f"the projector expects merged patch groups of shape (..., {expected[0]}, {expected[1]}) "
+                f"(the encoder's out.merged), got {tuple(merged.shape)}"
+            )
+        if merged.device != self.device:
+            raise ValueError(f"the projector's input is on {merged.device}, the projector on {self.device}")
+
+
+# ---- checkpoint layouts ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a checkpoint names the projector's modules.
+
+    Attributes:
+        prefix: prepended to every tensor name.
+        modules: this project's module name -> the checkpoint's module name.
+    """
+
+    prefix: str
+    modules: dict[str, str]
+
+    def checkpoint_name(self, name: str) -> str:
+        """``linear_1.weight`` -> e.g. ``mm_projector.proj.0.weight``."""
+        module, kind = name.rsplit(".", 1)
+        return f"{self.prefix}{self.modules[module]}.{kind}"
+
+
+OWN_LAYOUT = Layout("", {"pre_norm": "pre_norm", "linear_1": "linear_1", "linear_2": "linear_2"})
+KIMI_VL_LAYOUT = Layout("multi_modal_projector.", OWN_LAYOUT.modules)
+KIMI_K25_LAYOUT = Layout("mm_projector.", {"pre_norm": "pre_norm", "linear_1": "proj.0", "linear_2": "proj.2"})
+
+
+def _read_own_format(folder: Path) -> tuple[ProjectorConfig, Layout, dict[Path, list[str]]]:
+    """The config of this project's format, and its one tensor file with the names it holds."""
+    config = ProjectorConfig.from_dict(read_json(folder / CONFIG_FILE))
+    weights = folder / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"{folder} has {CONFIG_FILE} but no {WEIGHTS_FILE}")
+    with safe_open(weights, framework="pt") as f:
+        return config, OWN_LAYOUT, {weights: list(f.keys())}
+
+
+def _config_from_kimi(values: dict[str, Any], folder: Path) -> ProjectorConfig:
+    """The ``"kimi"`` projector config of a Kimi-VL or Kimi-K2.5 ``config.json``.
+
+    D is read from ``vision_config`` (``mm_hidden_size``, ``hidden_size`` or K2.5's
+    remote-code ``vt_hidden_size``), the output width from ``text_config.hidden_size``.
+    """
+    vision, text = values.get("vision_config"), values.get("text_config")
+    if not isinstance(vision, dict) or not isinstance(text, dict):
+        raise CheckpointError(
+            f"{folder}/config.json has no vision_config and text_config (not a Kimi-VL or Kimi-K2.5 "
+            f"checkpoint), and {folder} has no {CONFIG_FILE}"
+        )
+    kind = vision.get("mm_projector_type", "patchmerger")
+    activation = vision.get("projector_hidden_act", "gelu")
+    if kind != "patchmerger" or activation != "gelu":
+        raise CheckpointError(
+            f"{folder}/config.json describes an unsupported projector "
+            f"(mm_projector_type {kind!r}, projector_hidden_act {activation!r}); "
+            "only 'patchmerger' with exact 'gelu' is implemented"
+        )
+    vision_hidden = next((vision[k] for k in VISION_HIDDEN_KEYS if vision.get(k)), None)
+    if vision_hidden is None or "hidden_size" not in text:
+        raise CheckpointError(
+            f"{folder}/config.json lacks the vision width (vision_config.{' / '.join(VISION_HIDDEN_KEYS)}) "
+            "or text_config.hidden_size"
+        )
+    return ProjectorConfig(
+        projector_type="kimi",
+        vision_hidden_size=vision_hidden,
+        text_hidden_size=text["hidden_size"],
+        merge_kernel_size=vision.get("merge_kernel_size", (2, 2)),
+        layer_norm_eps=vision.get("projector_ln_eps", 1e-5),
+    )
+
+
+def _find_kimi_projector(folder: Path) -> tuple[Layout, dict[Path, list[str]]]:
+    """The layout whose tensors the folder holds, and the files that hold them."""
+    for layout in (KIMI_VL_LAYOUT, KIMI_K25_LAYOUT):
+        files = tensor_files(folder, layout.prefix)
+        if any(files.values()):
+            return layout, files
+    raise CheckpointError(
+        f"{folder} holds no projector tensors "
+        f"({KIMI_VL_LAYOUT.prefix}* for Kimi-VL or {KIMI_K25_LAYOUT.prefix}* for Kimi-K2.5)"
+    )
