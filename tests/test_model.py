@@ -236,3 +236,20 @@ def test_compiles_as_one_graph_with_a_precomputed_grid():
         torch.testing.assert_close(
             compiled(pixels, grid=grid).last_hidden_state, model(pixels, grid=grid).last_hidden_state, rtol=1e-4, atol=1e-4
         )
+
+
+def test_sdpa_never_builds_a_pack_wide_mask(monkeypatch):
+    """Memory linear in the patches: every SDPA call sees one image length and no mask."""
+    calls = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        calls.append((tuple(q.shape), args, kwargs))
+        return real_sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    model = tiny_model()
+    pixels, grids = random_pack([(16, 16)] * 32 + [(2, 4)])
+    run(model, pixels, grids, "sdpa")
+    layers = model.config.num_hidden_layers
+    assert sorted(calls, key=str) == sorted([((1, 4, 8, 16), (), {}), ((32, 4, 256, 16), (), {})] * layers, key=str)

@@ -1,56 +1,13 @@
 """Parity with transformers' Kimi-K2.5 vision tower, the independent implementation
-of the same MoonViT, loaded with transformers' own RoPE weight permutation."""
+of the same MoonViT, its weights permuted by transformers' own PermuteForRope."""
 
 import pytest
 import torch
 
 from helpers import random_pack, tiny_model
 
-modeling = pytest.importorskip("transformers.models.kimi_k25.modeling_kimi_k25")
-from transformers.core_model_loading import PermuteForRope  # noqa: E402
-from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25VisionConfig  # noqa: E402
-
-RENAMES = {"norm0": "norm1", "norm1": "norm2", "wo": "attn.proj", "mlp.fc0": "mlp.fc1", "mlp.fc1": "mlp.fc2"}
-
-
-def to_transformers(model):
-    """Our (Kimi-VL) state dict as Kimi_K25VisionModel's, and that model."""
-    c = model.config
-    config = Kimi_K25VisionConfig(
-        patch_size=c.patch_size,
-        pos_emb_height=c.init_pos_emb_height,
-        pos_emb_width=c.init_pos_emb_width,
-        num_attention_heads=c.num_attention_heads,
-        num_hidden_layers=c.num_hidden_layers,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        merge_kernel_size=list(c.merge_kernel_size),
-        rope_parameters={"rope_type": "axial", "rope_theta": c.rope_theta},
-    )
-    config._attn_implementation = "sdpa"
-    permute = PermuteForRope()._permute_for_rope
-    state = model.state_dict()
-    out = {
-        "patch_embed.proj.weight": state["patch_embed.proj.weight"],
-        "patch_embed.proj.bias": state["patch_embed.proj.bias"],
-        "patch_embed.pos_emb.position_embeddings": state["patch_embed.pos_emb.weight"],
-        "final_layernorm.weight": state["encoder.final_layernorm.weight"],
-        "final_layernorm.bias": state["encoder.final_layernorm.bias"],
-    }
-    for i in range(c.num_hidden_layers):
-        src, dst = f"encoder.blocks.{i}.", f"layers.{i}."
-        for ours, theirs in RENAMES.items():
-            for kind in ("weight", "bias"):
-                out[f"{dst}{theirs}.{kind}"] = state[f"{src}{ours}.{kind}"]
-        for kind in ("weight", "bias"):
-            q, k, v = state[f"{src}wqkv.{kind}"].chunk(3)
-            out[f"{dst}attn.q_proj.{kind}"] = permute(q, config)
-            out[f"{dst}attn.k_proj.{kind}"] = permute(k, config)
-            out[f"{dst}attn.v_proj.{kind}"] = v
-    theirs = modeling.Kimi_K25VisionModel(config)
-    missing, unexpected = theirs.load_state_dict(out, strict=False)
-    assert not missing and not unexpected
-    return theirs.to(model.dtype).eval()
+pytest.importorskip("transformers.models.kimi_k25.modeling_kimi_k25")
+from moonvit.interop import to_transformers  # noqa: E402
 
 
 def forward_both(model, theirs, pixels, grids):

@@ -1,0 +1,135 @@
+"""Side-by-side speed of this encoder and transformers' Kimi_K25VisionModel.
+
+One process, the contenders interleaved on the same weights and packs:
+
+    python -m moonvit.bench --depth 4 --threads 2 --out benchmarks/results/bench_cpu.md
+
+prints the machine's matmul peak (fp32, bf16), then per pack and dtype:
+patches/s, images/s, MFU (matmul FLOPs incl. attention over the measured
+peak, scaled from --depth to the full 27 blocks by the per-block time), the
+ratio to transformers, and the fixed per-call cost (depth 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .config import preset_config
+from .model import MoonViT
+
+PACKS: dict[str, list[tuple[int, int]]] = {
+    "448x448 (32x32)": [(32, 32)],
+    "mixed 4": [(32, 32), (24, 40), (16, 16), (48, 36)],
+    "32 small (16x16)": [(16, 16)] * 32,
+    "896x896 (64x64)": [(64, 64)],
+}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 4096, repeats: int = 3) -> float:
+    """Best FLOP/s of an n x n x n matmul."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    best = min(_seconds(lambda: a @ b) for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def model_flops(grids: list[tuple[int, int]], hidden: int, mlp: int, depth: int, patch: int = 14) -> float:
+    """Matmul FLOPs of one forward: patch embedding, projections, MLP and attention."""
+    patches = sum(h * w for h, w in grids)
+    per_block = 2 * patches * (4 * hidden * hidden + 2 * hidden * mlp) + sum(4 * (h * w) ** 2 * hidden for h, w in grids)
+    return 2 * patches * 3 * patch * patch * hidden + depth * per_block
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def build(depth: int, dtype: torch.dtype) -> tuple[Callable, Callable]:
+    """(ours, transformers') forward callables on the same random weights."""
+    from .interop import to_transformers
+
+    torch.manual_seed(0)
+    model = MoonViT(preset_config("so400m", num_hidden_layers=depth, attn_implementation="sdpa")).to(dtype).eval()
+    peer = to_transformers(model)
+
+    def ours(pixels, grids):
+        return model(pixels, grids).merged
+
+    def theirs(pixels, grids):
+        thw = torch.cat([torch.ones(len(grids), 1, dtype=torch.int64), grids], dim=1)
+        return peer(pixels, thw).pooler_output
+
+    return ours, theirs
+
+
+def time_interleaved(contenders: dict[str, Callable], pixels, grids, repeats: int) -> dict[str, float]:
+    """Median seconds per call of each contender, runs alternating between them."""
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    with torch.inference_mode():
+        for fn in contenders.values():
+            fn(pixels, grids)  # warm-up
+        for _ in range(repeats):
+            for name, fn in contenders.items():
+                times[name].append(_seconds(lambda: fn(pixels, grids)))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m moonvit.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--depth", type=int, default=4, help="blocks to run (MFU is scaled to 27)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp32"])
+    parser.add_argument("--out", type=Path, help="also write the table (markdown) here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cfg = preset_config("so400m")
+
+    lines = [f"torch {torch.__version__}, {args.threads} threads, depth {args.depth} (MFU scaled to 27 blocks)", ""]
+    peaks = {name: matmul_peak(DTYPES[name]) for name in args.dtypes}
+    lines += [f"matmul peak 4096^3: " + ", ".join(f"{n} {p / 1e9:.0f} GFLOP/s" for n, p in peaks.items()), ""]
+    lines += [
+        "| pack | dtype | ours patches/s | peer patches/s | ratio | ours images/s | ours MFU | peer MFU "
+        "| ours fixed ms | peer fixed ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines))
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        full = dict(zip(("ours", "peer"), build(args.depth, dtype)))
+        empty = dict(zip(("ours", "peer"), build(0, dtype)))
+        for pack_name, grid_list in PACKS.items():
+            grids = torch.tensor(grid_list)
+            patches = int((grids[:, 0] * grids[:, 1]).sum())
+            pixels = torch.randn(patches, 3, 14, 14).to(dtype)
+            timed = time_interleaved(full, pixels, grids, args.repeats)
+            fixed = time_interleaved(empty, pixels, grids, args.repeats)
+            row = {}
+            for name in ("ours", "peer"):
+                per_block = max(timed[name] - fixed[name], 1e-9) / max(args.depth, 1)
+                full_time = fixed[name] + cfg.num_hidden_layers * per_block
+                flops = model_flops(grid_list, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers)
+                row[name] = (patches / timed[name], flops / full_time / peaks[dtype_name], fixed[name] * 1e3)
+            line = (
+                f"| {pack_name} | {dtype_name} | {row['ours'][0]:.0f} | {row['peer'][0]:.0f} | "
+                f"{row['ours'][0] / row['peer'][0]:.2f}x | {len(grid_list) / timed['ours']:.1f} | "
+                f"{row['ours'][1]:.0%} | {row['peer'][1]:.0%} | {row['ours'][2]:.1f} | {row['peer'][2]:.1f} |"
+            )
+            print(line, flush=True)
+            lines.append(line)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("```\npython -m moonvit.bench " + " ".join(argv or []) + "\n```\n\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
