@@ -11,8 +11,21 @@ from typing import Any
 ATTN_IMPLEMENTATIONS = ("auto", "flash_attention_2", "sdpa", "eager")
 
 
+class DictConfig:
+    """``to_dict`` / ``from_dict`` for the config dataclasses (config.json files)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]):
+        """Build from a dict, ignoring keys that are not fields (checkpoint configs carry extras)."""
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+
 @dataclass
-class MoonViTConfig:
+class MoonViTConfig(DictConfig):
     """Hyper-parameters of a MoonViT encoder.
 
     Field names follow Kimi-VL's ``vision_config`` so that a config read from a
@@ -53,17 +66,6 @@ class MoonViTConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["merge_kernel_size"] = list(self.merge_kernel_size)
-        return out
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "MoonViTConfig":
-        """Build from a dict, ignoring keys that are not fields (Kimi-VL configs carry extras)."""
-        names = {f.name for f in dataclasses.fields(cls) if f.init}
-        return cls(**{k: v for k, v in values.items() if k in names})
 
     def save(self, folder: str | Path) -> None:
         path = Path(folder) / "config.json"

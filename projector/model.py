@@ -28,7 +28,6 @@ are opened, and only those tensors are read.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moonvit.checkpoint import CheckpointError, assign_from_files, read_json, tensor_files
-from moonvit.config import MoonViTConfig
+from moonvit.config import DictConfig, MoonViTConfig
 
 PROJECTOR_TYPES = ("kimi", "mlp2x_gelu")
 CONFIG_FILE = "projector_config.json"
@@ -55,7 +54,7 @@ VISION_HIDDEN_KEYS = ("mm_hidden_size", "hidden_size", "vt_hidden_size")
 
 
 @dataclass
-class ProjectorConfig:
+class ProjectorConfig(DictConfig):
     """Hyper-parameters of a :class:`MoonViTProjector`.
 
     The defaults are Kimi-VL-A3B's projector (MoonViT-SO-400M into a 2048-wide LLM).
@@ -110,16 +109,6 @@ class ProjectorConfig:
             **overrides,
         )
 
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["merge_kernel_size"] = list(self.merge_kernel_size)
-        return out
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "ProjectorConfig":
-        """Build from a dict, ignoring keys that are not fields."""
-        names = {f.name for f in dataclasses.fields(cls) if f.init}
-        return cls(**{k: v for k, v in values.items() if k in names})
 
 
 # ---- the module -----------------------------------------------------------------------
