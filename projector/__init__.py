@@ -6,8 +6,12 @@
 - :func:`splice_visual_tokens` (one placeholder per visual token, Kimi-VL) and
   :func:`expand_visual_tokens` (one placeholder per image) put those tokens into
   a language model's ``inputs_embeds``.
+- ``python -m projector.export`` pre-computes visual tokens for a whole image
+  collection (resumable, data-parallel under torchrun); :class:`VisualTokenDataset`
+  reads them back for training.
 """
 
+from .dataset import VisualTokenDataset
 from .model import PROJECTOR_TYPES, MoonViTProjector, ProjectorConfig
 from .splice import (
     IGNORE_INDEX,
@@ -25,6 +29,7 @@ __all__ = [
     "ExpandedInputs",
     "MoonViTProjector",
     "ProjectorConfig",
+    "VisualTokenDataset",
     "expand_visual_tokens",
     "splice_visual_tokens",
     "visual_token_counts",

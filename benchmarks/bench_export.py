@@ -1,0 +1,97 @@
+"""Benchmark `python -m projector.export`: images/s and tokens/s on a randomly initialised preset.
+
+Builds a checkpoint folder (encoder preset, a "kimi" projector into ``--llm-hidden``, the processor
+with ``--in-token-limit``) and ``--images`` JPEG files of assorted sizes (thumbnails to 1280x720)
+in a temporary folder, then times one export into an empty output folder (loading, planning,
+decoding, encoding, projecting, writing shards and the manifest) and a rerun of the finished
+export (which only checks run.json and reassembles the manifest).
+
+Example: python benchmarks/bench_export.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from moonvit import MoonViT, MoonViTImageProcessor
+from projector import MoonViTProjector, ProjectorConfig
+from projector.export import main as export_main
+
+SIZES = [(64, 48), (224, 224), (320, 240), (640, 480), (800, 600), (1280, 720)]
+
+
+def build_checkpoint(folder: Path, preset: str, llm_hidden: int, in_token_limit: int) -> Path:
+    torch.manual_seed(0)
+    encoder = MoonViT.from_preset(preset)
+    encoder.save_pretrained(folder)
+    MoonViTProjector(ProjectorConfig.for_encoder(encoder.config, llm_hidden)).save_pretrained(folder)
+    MoonViTImageProcessor(in_token_limit=in_token_limit).save_pretrained(folder)
+    return folder
+
+
+def write_images(folder: Path, count: int) -> None:
+    """Smooth random images (so JPEG decoding costs what it does on photos), cycling through SIZES."""
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True)
+    for i in range(count):
+        width, height = SIZES[i % len(SIZES)]
+        coarse = rng.integers(0, 256, (height // 16 + 1, width // 16 + 1, 3), dtype=np.uint8)
+        image = Image.fromarray(coarse).resize((width, height), Image.Resampling.BILINEAR)
+        image.save(folder / f"{i:05d}.jpg", quality=90)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--images", type=int, default=120, help="images to export")
+    parser.add_argument("--preset", default="tiny", help="encoder preset (random weights)")
+    parser.add_argument("--llm-hidden", type=int, default=256, help="projector output width")
+    parser.add_argument("--in-token-limit", type=int, default=1024, help="processor patch budget per image")
+    parser.add_argument("--store", default="projected", choices=["merged", "projected", "both"])
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--shard-size", type=int, default=32)
+    parser.add_argument("--max-patches-per-pack", type=int, default=4096)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        checkpoint = build_checkpoint(root / "ckpt", args.preset, args.llm_hidden, args.in_token_limit)
+        write_images(root / "images", args.images)
+        command = [
+            "--inputs", str(root / "images"), "--checkpoint", str(checkpoint), "--out", str(root / "out"),
+            "--store", args.store, "--dtype", args.dtype, "--shard-size", str(args.shard_size),
+            "--max-patches-per-pack", str(args.max_patches_per_pack), "--device", "cpu",
+            "--threads", str(torch.get_num_threads()),
+        ]
+        start = time.perf_counter()
+        summary = export_main(command)
+        wall = time.perf_counter() - start
+        start = time.perf_counter()
+        export_main(command)
+        rerun = time.perf_counter() - start
+        shard_bytes = sum(p.stat().st_size for p in (root / "out").glob("shard-*.safetensors"))
+
+    print(
+        f"\nexport of {summary['images']} images ({summary['failed']} failed), preset {args.preset}, "
+        f"store {args.store}, {args.dtype}, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"  encode loop: {summary['images_per_s']:.1f} images/s, {summary['tokens_per_s']:.0f} tokens/s "
+        f"({summary['tokens_this_run']} tokens in {summary['seconds']:.2f} s)"
+    )
+    print(f"  whole command (load, plan, encode, write, assemble): {wall:.2f} s, "
+          f"{summary['images'] / wall:.1f} images/s; shards {shard_bytes / 2**20:.1f} MiB")
+    print(f"  rerun of the finished export: {rerun:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

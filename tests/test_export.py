@@ -1,0 +1,296 @@
+"""`python -m projector.export`: tokens, failures, resume after SIGKILL, torchrun, reruns."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+
+from helpers import tiny_model
+from moonvit import MoonViT, MoonViTImageProcessor
+from projector import MoonViTProjector, ProjectorConfig
+from projector.dataset import VisualTokenDataset
+from projector.export import ExportError, InputImage, main, read_inputs, split_balanced
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---- builders --------------------------------------------------------------------------------
+
+
+def make_checkpoint(folder: Path, *, projector: bool = True) -> Path:
+    """A tiny encoder, a 32-wide projector and a processor with in_token_limit=64, in one folder."""
+    encoder = tiny_model()
+    encoder.save_pretrained(folder)
+    if projector:
+        torch.manual_seed(1)
+        MoonViTProjector(ProjectorConfig.for_encoder(encoder.config, 32)).save_pretrained(folder)
+    MoonViTImageProcessor(in_token_limit=64).save_pretrained(folder)
+    return folder
+
+
+def write_images(folder: Path, count: int, seed: int = 0) -> list[Path]:
+    """``count`` noise images of assorted sizes (some over the token limit), PNG and JPEG, some in a subfolder."""
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(count):
+        width, height = int(rng.integers(20, 200)), int(rng.integers(20, 160))
+        path = folder / ("nested" if i % 3 == 0 else "") / f"img{i:03d}.{'png' if i % 2 else 'jpg'}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
+        paths.append(path)
+    return paths
+
+
+def run_export(*args: str | Path, threads: int = 1) -> dict:
+    """The export in this process (torch's thread count restored afterwards)."""
+    previous = torch.get_num_threads()
+    try:
+        return main([str(a) for a in args] + ["--threads", str(threads)])
+    finally:
+        torch.set_num_threads(previous)
+
+
+def export_command(*args: str | Path) -> list[str]:
+    return [sys.executable, "-m", "projector.export", *map(str, args), "--threads", "1"]
+
+
+def manifest(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+
+
+def failures(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "failures.jsonl").read_text().splitlines()]
+
+
+def folder_bytes(out: Path) -> dict[str, bytes]:
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def tokens_by_id(out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    dataset = VisualTokenDataset(out)
+    return {item["id"]: item for item in (dataset[i] for i in range(len(dataset)))}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+# ---- tokens ----------------------------------------------------------------------------------
+
+
+def test_exported_tokens_equal_the_encoder_and_projector_run_directly(tmp_path, checkpoint):
+    paths = write_images(tmp_path / "images", 7)
+    out = tmp_path / "out"
+    summary = run_export("--inputs", tmp_path / "images", "--checkpoint", checkpoint, "--out", out,
+                         "--store", "both", "--dtype", "fp32", "--shard-size", "3", "--max-patches-per-pack", "150")
+    assert summary["images"] == 7 and summary["failed"] == 0
+
+    encoder = MoonViT.from_pretrained(checkpoint).eval()
+    projector = MoonViTProjector.from_pretrained(checkpoint)
+    processor = MoonViTImageProcessor.from_pretrained(checkpoint)
+    lines = manifest(out)
+    # Input order: sorted relative paths, the subfolder included.
+    assert [line["id"] for line in lines] == sorted(p.relative_to(tmp_path / "images").as_posix() for p in paths)
+    assert {line["shard"] for line in lines} == {"shard-000000.safetensors", "shard-000001.safetensors",
+                                                  "shard-000002.safetensors"}
+    exported = tokens_by_id(out)
+    for line in lines:
+        batch = processor([line["path"]])
+        with torch.no_grad():
+            merged = encoder(batch.pixel_values, batch.grid_hws).merged
+            projected = projector(merged)
+        width, height = Image.open(line["path"]).size
+        assert line["size"] == [width, height]
+        assert line["grid_hw"] == batch.grid_hws[0].tolist()
+        assert line["num_tokens"] == merged.shape[0]
+        item = exported[line["id"]]
+        assert item["merged"].shape == (merged.shape[0], 4, 64) and item["projected"].shape == (merged.shape[0], 32)
+        torch.testing.assert_close(item["merged"], merged, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(item["projected"], projected, rtol=1e-5, atol=1e-5)
+    assert any(line["resized"] != line["size"] for line in lines)  # some went over in_token_limit
+    run = json.loads((out / "run.json").read_text())
+    assert run["store"] == ["merged", "projected"] and run["dtype"] == "fp32"
+    assert run["processor"]["in_token_limit"] == 64 and len(run["checkpoint"]["sha256"]) == 64
+
+
+def test_default_export_stores_bf16_projected_tokens(tmp_path, checkpoint):
+    write_images(tmp_path / "images", 2)
+    run_export("--inputs", tmp_path / "images", "--checkpoint", checkpoint, "--out", tmp_path / "out")
+    with safe_open(tmp_path / "out" / "shard-000000.safetensors", framework="pt") as shard:
+        assert list(shard.keys()) == ["projected"]
+        assert shard.get_tensor("projected").dtype == torch.bfloat16
+
+
+def test_merged_only_needs_no_projector(tmp_path):
+    checkpoint = make_checkpoint(tmp_path / "ckpt", projector=False)
+    write_images(tmp_path / "images", 2)
+    common = ["--inputs", tmp_path / "images", "--checkpoint", checkpoint]
+    run_export(*common, "--out", tmp_path / "merged", "--store", "merged")
+    assert set(tokens_by_id(tmp_path / "merged")["img001.png"]) == {"id", "grid_hw", "merged"}
+    with pytest.raises(SystemExit, match="--store merged"):
+        run_export(*common, "--out", tmp_path / "projected")
+
+
+# ---- inputs ----------------------------------------------------------------------------------
+
+
+def test_text_and_jsonl_inputs_resolve_against_their_folder(tmp_path, checkpoint):
+    paths = write_images(tmp_path / "images", 3)
+    (tmp_path / "list.txt").write_text(f"images/img002.jpg\n\n{paths[1]}\nimages/nested/img000.jpg\n")
+    records = [{"id": "cat", "path": "images/img001.png"}, {"id": 7, "path": str(paths[2])}]
+    (tmp_path / "list.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run_export("--inputs", tmp_path / "list.txt", "--checkpoint", checkpoint, "--out", tmp_path / "txt")
+    run_export("--inputs", tmp_path / "list.jsonl", "--checkpoint", checkpoint, "--out", tmp_path / "jsonl")
+
+    txt, jsonl = manifest(tmp_path / "txt"), manifest(tmp_path / "jsonl")
+    assert [line["id"] for line in txt] == ["images/img002.jpg", str(paths[1]), "images/nested/img000.jpg"]
+    assert [line["path"] for line in txt] == [str(paths[2]), str(paths[1]), str(paths[0])]
+    assert [line["id"] for line in jsonl] == ["cat", "7"]
+    assert [line["path"] for line in jsonl] == [str(paths[1]), str(paths[2])]
+    a, b = tokens_by_id(tmp_path / "txt"), tokens_by_id(tmp_path / "jsonl")
+    torch.testing.assert_close(a[str(paths[1])]["projected"], b["cat"]["projected"], rtol=0, atol=0)
+
+
+def test_inputs_with_repeated_ids_or_bad_lines_are_refused(tmp_path):
+    (tmp_path / "twice.txt").write_text("a.png\nb.png\na.png\n")
+    with pytest.raises(ExportError, match="repeats the ids \\['a.png'\\]"):
+        read_inputs(tmp_path / "twice.txt")
+    (tmp_path / "bad.jsonl").write_text('{"id": "a", "path": "a.png"}\n{"path": "b.png"}\n')
+    with pytest.raises(ExportError, match="bad.jsonl:2: expected a JSON object with 'id' and 'path'"):
+        read_inputs(tmp_path / "bad.jsonl")
+    (tmp_path / "ok.txt").write_text("a.png\n")
+    assert read_inputs(tmp_path / "ok.txt") == [InputImage("a.png", str(tmp_path / "a.png"))]
+    with pytest.raises(ExportError, match="neither a folder nor a file"):
+        read_inputs(tmp_path / "missing")
+
+
+def test_bad_files_are_listed_with_reasons_and_the_rest_exported(tmp_path, checkpoint):
+    images = tmp_path / "images"
+    good = write_images(images, 3)
+    (images / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + os.urandom(200))
+    (images / "empty.jpg").write_bytes(b"")
+    (images / "notes.png").write_text("not an image at all")
+    (images / "readme.txt").write_text("ignored: not an image extension")
+    whole = good[1].read_bytes()
+    (images / "truncated.png").write_bytes(whole[: len(whole) // 2])
+    summary = run_export("--inputs", images, "--checkpoint", checkpoint, "--out", tmp_path / "out")
+
+    assert summary["images"] == 3 and summary["failed"] == 4
+    assert [line["id"] for line in manifest(tmp_path / "out")] == ["img001.png", "img002.jpg", "nested/img000.jpg"]
+    reasons = {line["id"]: line["reason"] for line in failures(tmp_path / "out")}
+    assert set(reasons) == {"corrupt.png", "empty.jpg", "notes.png", "truncated.png"}
+    assert "cannot open image file" in reasons["empty.jpg"] and "cannot open image file" in reasons["notes.png"]
+    assert "truncated" in reasons["truncated.png"]
+    assert all(str(images / name) in reason for name, reason in reasons.items())
+
+
+def test_split_balanced_gives_contiguous_ranges_of_about_equal_cost():
+    assert split_balanced([1, 1, 1, 1], 2) == [range(0, 2), range(2, 4)]
+    assert split_balanced([10, 1, 1, 1, 1, 1, 5], 2) == [range(0, 1), range(1, 7)]
+    ranges = split_balanced([3, 0, 2, 7, 1], 3)
+    assert [i for r in ranges for i in r] == [0, 1, 2, 3, 4]
+    assert split_balanced([1], 3) == [range(0, 1), range(1, 1), range(1, 1)]
+
+
+# ---- reruns and resume -----------------------------------------------------------------------
+
+
+def test_rerunning_a_finished_export_changes_nothing(tmp_path, checkpoint):
+    write_images(tmp_path / "images", 5)
+    args = ["--inputs", tmp_path / "images", "--checkpoint", checkpoint, "--out", tmp_path / "out", "--shard-size", "2"]
+    run_export(*args)
+    before = folder_bytes(tmp_path / "out")
+    summary = run_export(*args)
+    assert folder_bytes(tmp_path / "out") == before
+    assert summary["images"] == 5 and summary["images_this_run"] == 0
+
+
+def test_other_arguments_into_the_same_folder_are_refused(tmp_path, checkpoint):
+    write_images(tmp_path / "images", 2)
+    args = ["--inputs", tmp_path / "images", "--checkpoint", checkpoint, "--out", tmp_path / "out"]
+    run_export(*args)
+    with pytest.raises(SystemExit, match=r"holds an export with other settings \(differing in arguments, dtype"):
+        run_export(*args, "--dtype", "fp32")
+    with pytest.raises(SystemExit, match="differing in arguments"):
+        run_export(*args, "--shard-size", "7")
+
+
+@pytest.mark.slow
+def test_an_export_killed_by_sigkill_resumes_to_the_uninterrupted_result(tmp_path, checkpoint):
+    write_images(tmp_path / "images", 40, seed=3)
+    common = ["--inputs", tmp_path / "images", "--checkpoint", checkpoint, "--shard-size", "4"]
+    out = tmp_path / "out"
+    process = subprocess.Popen(export_command(*common, "--out", out), cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not (out / "parts" / "shard-000000.json").exists():
+            assert process.poll() is None and time.monotonic() < deadline, "the export ended before it was killed"
+            time.sleep(0.005)
+        process.send_signal(signal.SIGKILL)
+    finally:
+        process.wait()
+    assert process.returncode == -signal.SIGKILL
+    assert not (out / "manifest.jsonl").exists()
+    finished_before = {p.name for p in (out / "parts").glob("*.json")}
+    assert 1 <= len(finished_before) < 10
+
+    summary = run_export(*common, "--out", out)
+    assert summary["images_this_run"] <= 40 - 4 * len(finished_before)  # finished shards are not redone
+    run_export(*common, "--out", tmp_path / "reference")
+
+    lines = manifest(out)
+    assert sorted(line["id"] for line in lines) == sorted({line["id"] for line in lines})
+    assert len(lines) == 40 and lines == manifest(tmp_path / "reference")
+    assert not list(out.rglob("*.tmp"))
+    for shard in out.glob("shard-*.safetensors"):
+        with safe_open(shard, framework="pt") as f:
+            assert f.get_tensor("projected").shape[1] == 32
+    assert folder_bytes(out) == folder_bytes(tmp_path / "reference")
+
+
+# ---- torchrun --------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_process_torchrun_export_equals_one_process(tmp_path, checkpoint):
+    write_images(tmp_path / "images", 12, seed=5)
+    (tmp_path / "images" / "broken.jpg").write_bytes(b"nope")
+    common = ["--inputs", tmp_path / "images", "--checkpoint", checkpoint, "--shard-size", "3", "--store", "both"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), *export_command(*common, "--out", tmp_path / "two")[1:]]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "exported 12 images, 1 failed" in result.stdout
+    run_export(*common, "--out", tmp_path / "one")
+
+    assert manifest(tmp_path / "two") == manifest(tmp_path / "one")
+    assert failures(tmp_path / "two") == failures(tmp_path / "one")
+    assert folder_bytes(tmp_path / "two") == folder_bytes(tmp_path / "one")
+
+
+def test_help_lists_the_options():
+    result = subprocess.run([sys.executable, "-m", "projector.export", "--help"], cwd=REPO,
+                            capture_output=True, text=True, check=True)
+    for option in ("--inputs", "--checkpoint", "--out", "--store", "--dtype", "--max-patches-per-pack",
+                   "--shard-size", "--device", "--threads", "torchrun"):
+        assert option in result.stdout
