@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ATTN_IMPLEMENTATIONS
-from .grid import PackedGrid
+from .grid import AttentionGroup, PackedGrid
 
 logger = logging.getLogger("moonvit")
 
@@ -58,18 +58,27 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Pac
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: PackedGrid) -> torch.Tensor:
     """Block-diagonal attention with ``F.scaled_dot_product_attention``.
 
-    Images of equal length are gathered into one (images, heads, seqlen, head_dim)
-    batch, so 32 small images cost one call, not 32, and nothing is padded.
+    Images of equal length form one (images, heads, seqlen, head_dim) batch, so
+    32 small images cost one call, not 32, and nothing is padded. Consecutive
+    images are read as views of the packed rows; others are gathered.
     """
-    if len(grid.attention_groups) == 1 and grid.num_images == 1:
-        batch = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-        return F.scaled_dot_product_attention(*batch).squeeze(0).transpose(0, 1)
+    groups = grid.attention_groups
+    if len(groups) == 1 and groups[0].start is not None:
+        return _sdpa_group(q, k, v, groups[0], slice(None))
     out = q.new_empty(q.shape)
-    for group in grid.attention_groups:
-        rows = group.token_index
-        batch = [t[rows].transpose(1, 2) for t in (q, k, v)]
-        out[rows.flatten()] = F.scaled_dot_product_attention(*batch).transpose(1, 2).flatten(0, 1)
+    for group in groups:
+        if group.start is not None:
+            rows = slice(group.start, group.start + group.num_images * group.seqlen)
+            out[rows] = _sdpa_group(q, k, v, group, rows)
+        else:
+            out[group.token_index.flatten()] = _sdpa_group(q, k, v, group, group.token_index)
     return out
+
+
+def _sdpa_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AttentionGroup, rows) -> torch.Tensor:
+    """Attention of one group; ``rows`` selects its packed rows. Returns (images * seqlen, heads, head_dim)."""
+    batch = [t[rows].reshape(group.num_images, group.seqlen, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)]
+    return F.scaled_dot_product_attention(*batch).transpose(1, 2).flatten(0, 1)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: PackedGrid) -> torch.Tensor:

@@ -42,9 +42,9 @@ class Block(nn.Module):
     def attention(self, x: torch.Tensor, grid: PackedGrid, attn_implementation: str) -> torch.Tensor:
         """Multi-head self-attention within each image of the pack, (L, D) -> (L, D)."""
         # wqkv's output is laid out [q | k | v], each (heads, head_dim).
-        q, k, v = self.wqkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(1)
-        q = apply_rope(q, grid.rope_cos, grid.rope_sin)
-        k = apply_rope(k, grid.rope_cos, grid.rope_sin)
+        qkv = self.wqkv(x).unflatten(-1, (3, self.num_heads, -1))
+        q, k = apply_rope(qkv[:, :2], grid.rope_rotation).unbind(1)
+        v = qkv[:, 2]
         out = ATTENTION_FUNCTIONS[attn_implementation](q, k, v, grid)
         return self.wo(out.flatten(1))
 

@@ -10,6 +10,7 @@ synchronisation and compiles and exports cleanly.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -17,18 +18,26 @@ import torch
 
 from .config import MoonViTConfig
 from .position import bicubic_resample_taps
-from .rope import rope_angles
+from .rope import rope_rotation
 
 
 @dataclass(frozen=True)
 class AttentionGroup:
     """Images of one sequence length, attended to in one batched call.
 
-    ``token_index`` is (num_images, seqlen) int64: the packed rows of each image.
+    Attributes:
+        seqlen: patches per image.
+        num_images: images in the group.
+        start: first packed row when the images are consecutive in the pack (their
+            rows are then one slice, read as a view); None otherwise.
+        token_index: (num_images, seqlen) int64 packed rows of each image, for
+            groups that are not consecutive; None otherwise.
     """
 
     seqlen: int
-    token_index: torch.Tensor
+    num_images: int
+    start: int | None
+    token_index: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -41,8 +50,8 @@ class PackedGrid:
         cu_seqlens: (N + 1,) int32, cumulative sequence lengths with a leading 0.
         max_seqlen: the longest image, in patches.
         positions: (L, 2) int64, (row, col) of each patch inside its own image.
-        rope_cos, rope_sin: (L, head_dim // 2) float32, cos / sin of the RoPE angle
-            of each complex channel pair (pair 2i: column angle, 2i + 1: row angle).
+        rope_rotation: (L, head_dim // 2) complex64, the RoPE rotation of each
+            channel pair (pair 2i: column angle, 2i + 1: row angle).
         pos_emb_index: (L, 16) int64, bicubic taps into the flattened position table.
         pos_emb_weight: (L, 16) float64, the weights of those taps.
         merge_index: (L,) int64, packed row of each merged slot: ``x[merge_index]``
@@ -55,8 +64,7 @@ class PackedGrid:
     cu_seqlens: torch.Tensor
     max_seqlen: int
     positions: torch.Tensor
-    rope_cos: torch.Tensor
-    rope_sin: torch.Tensor
+    rope_rotation: torch.Tensor
     pos_emb_index: torch.Tensor
     pos_emb_weight: torch.Tensor
     merge_index: torch.Tensor
@@ -77,7 +85,8 @@ class PackedGrid:
             for name, value in self.__dict__.items()
         }
         moved["attention_groups"] = tuple(
-            AttentionGroup(g.seqlen, g.token_index.to(device)) for g in self.attention_groups
+            dataclasses.replace(g, token_index=None if g.token_index is None else g.token_index.to(device))
+            for g in self.attention_groups
         )
         return PackedGrid(**moved)
 
@@ -139,7 +148,7 @@ def build_packed_grid(
     width = widths[image_of]
     positions = torch.stack([local // width, local % width], dim=-1)
 
-    cos, sin = rope_angles(positions, config.head_dim, config.rope_theta)
+    rotation = rope_rotation(positions, config.head_dim, config.rope_theta)
     taps, weights = bicubic_resample_taps(
         positions, heights[image_of], width, config.init_pos_emb_height, config.init_pos_emb_width
     )
@@ -155,8 +164,13 @@ def build_packed_grid(
 
     groups = []
     for seqlen in sorted(set(seqlens.tolist())):
-        starts = cu_seqlens[:-1].long()[seqlens == seqlen]
-        groups.append(AttentionGroup(int(seqlen), starts[:, None] + torch.arange(seqlen)))
+        images = (seqlens == seqlen).nonzero().flatten()
+        first, count = int(images[0]), len(images)
+        if int(images[-1]) - first + 1 == count:
+            groups.append(AttentionGroup(seqlen, count, int(cu_seqlens[first]), None))
+        else:
+            rows = cu_seqlens[:-1].long()[images, None] + torch.arange(seqlen)
+            groups.append(AttentionGroup(seqlen, count, None, rows))
 
     grid = PackedGrid(
         grid_hws=hw,
@@ -164,8 +178,7 @@ def build_packed_grid(
         cu_seqlens=cu_seqlens,
         max_seqlen=int(seqlens.max()),
         positions=positions,
-        rope_cos=cos,
-        rope_sin=sin,
+        rope_rotation=rotation,
         pos_emb_index=taps,
         pos_emb_weight=weights,
         merge_index=merge_index,

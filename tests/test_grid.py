@@ -13,7 +13,10 @@ def test_sequence_metadata():
     assert grid.cu_seqlens.tolist() == [0, 8, 44, 52]
     assert grid.max_seqlen == 36 and grid.num_patches == 52 and grid.num_images == 3
     assert [g.seqlen for g in grid.attention_groups] == [8, 36]
+    # Images 0 and 2 share a length but are not adjacent: gathered. Image 1 is one slice.
     assert grid.attention_groups[0].token_index.tolist() == [list(range(0, 8)), list(range(44, 52))]
+    assert grid.attention_groups[0].start is None
+    assert (grid.attention_groups[1].start, grid.attention_groups[1].token_index) == (8, None)
 
 
 def test_positions_are_raster_within_each_image():

@@ -1,6 +1,6 @@
 import torch
 
-from moonvit.rope import apply_rope, rope_angles, rope_frequencies
+from moonvit.rope import apply_rope, rope_frequencies, rope_rotation
 
 
 def test_frequencies_of_the_released_head_dim():
@@ -15,7 +15,7 @@ def test_column_rotates_even_pairs_row_rotates_odd_pairs():
     x = torch.zeros(2, 1, head_dim)
     x[..., 0::2] = 1.0  # every complex pair = 1 + 0j
     positions = torch.tensor([[0, 3], [2, 0]])  # (row 0, col 3) and (row 2, col 0)
-    out = apply_rope(x, *rope_angles(positions, head_dim, 10000.0)).view(2, 4, 2)
+    out = apply_rope(x, rope_rotation(positions, head_dim, 10000.0)).view(2, 4, 2)
     angles = torch.atan2(out[..., 1], out[..., 0])
     f1 = 10000.0**-0.5
     torch.testing.assert_close(angles[0], torch.tensor([3.0, 0.0, 3.0 * f1, 0.0]))
@@ -31,20 +31,31 @@ def test_matches_complex_multiplication():
     expected = torch.view_as_real(
         torch.view_as_complex(x.reshape(-1, heads, head_dim // 2, 2)) * torch.polar(torch.ones_like(angle), angle)[:, None]
     ).reshape(x.shape)
-    torch.testing.assert_close(apply_rope(x, *rope_angles(positions, head_dim, 10000.0)), expected)
+    torch.testing.assert_close(apply_rope(x, rope_rotation(positions, head_dim, 10000.0)), expected)
 
 
 def test_low_precision_is_rotated_in_float32_and_cast_back():
     positions = torch.tensor([[5, 7], [511, 511]])
     x = torch.randn(2, 2, 16).bfloat16()
-    cos, sin = rope_angles(positions, 16, 10000.0)
-    out = apply_rope(x, cos, sin)
+    rotation = rope_rotation(positions, 16, 10000.0)
+    out = apply_rope(x, rotation)
     assert out.dtype == torch.bfloat16
-    assert torch.equal(out, apply_rope(x.float(), cos, sin).bfloat16())
+    assert torch.equal(out, apply_rope(x.float(), rotation).bfloat16())
+
+
+def test_real_form_and_q_k_together():
+    """The complex multiply equals the real rotation formula, for q and k stacked as (L, 2, H, d)."""
+    positions = torch.tensor([[3, 4], [0, 9], [17, 2]])
+    qk = torch.randn(3, 2, 5, 8, dtype=torch.float64)
+    freqs = rope_frequencies(8, 10000.0).double()
+    angle = torch.stack([positions[:, 1:] * freqs, positions[:, :1] * freqs], -1).flatten(1)[:, None, None]
+    real, imag = qk[..., 0::2], qk[..., 1::2]
+    expected = torch.stack([real * angle.cos() - imag * angle.sin(), real * angle.sin() + imag * angle.cos()], -1)
+    torch.testing.assert_close(apply_rope(qk, rope_rotation(positions, 8, 10000.0)), expected.flatten(-2))
 
 
 def test_rotation_preserves_norm_at_large_positions():
     positions = torch.tensor([[511, 0], [0, 511], [300, 200]])
     x = torch.randn(3, 4, 72, dtype=torch.float64)
-    out = apply_rope(x, *rope_angles(positions, 72, 10000.0))
+    out = apply_rope(x, rope_rotation(positions, 72, 10000.0))
     torch.testing.assert_close(out.norm(dim=-1), x.norm(dim=-1))
