@@ -24,8 +24,10 @@ __all__ = [
     "Pack",
     "PackItem",
     "encode_images",
+    "group_into_packs",
     "iter_encode_images",
     "pack_images",
+    "plan_pack_item",
 ]
 
 logger = logging.getLogger(__name__)
@@ -112,20 +114,32 @@ def pack_images(
     group = processor.merge_kernel_size[0] * processor.merge_kernel_size[1]
     if max_patches_per_pack < group:
         raise ValueError(f"max_patches_per_pack must hold at least one merged token ({group} patches)")
-    items: list[PackItem] = []
+    sources = [images] if is_image(images) else images
+    items = (plan_pack_item(index, source, processor, max_patches_per_pack) for index, source in enumerate(sources))
+    yield from group_into_packs(items, max_patches_per_pack)
+
+
+def group_into_packs(items: Iterable[PackItem], max_patches_per_pack: int) -> Iterator[Pack]:
+    """Consecutive runs of ``items`` of at most ``max_patches_per_pack`` patches each, consumed lazily."""
+    group: list[PackItem] = []
     total = 0
-    for index, source in enumerate([images] if is_image(images) else images):
-        item = _plan_item(index, source, processor, max_patches_per_pack)
-        if items and total + item.plan.num_patches > max_patches_per_pack:
-            yield Pack(tuple(items))
-            items, total = [], 0
-        items.append(item)
+    for item in items:
+        if group and total + item.plan.num_patches > max_patches_per_pack:
+            yield Pack(tuple(group))
+            group, total = [], 0
+        group.append(item)
         total += item.plan.num_patches
-    if items:
-        yield Pack(tuple(items))
+    if group:
+        yield Pack(tuple(group))
 
 
-def _plan_item(index: int, source: ImageInput, processor: MoonViTImageProcessor, budget: int) -> PackItem:
+def plan_pack_item(index: int, source: ImageInput, processor: MoonViTImageProcessor, budget: int) -> PackItem:
+    """Plan one image from its size alone, scaled down if alone it exceeds ``budget`` patches.
+
+    Raises:
+        ImageLoadError, ValueError: as :meth:`MoonViTImageProcessor.plan_image`, the message
+            prefixed with the input position (the original error is the cause).
+    """
     try:
         size = image_size(source)
         plan = processor.plan_image(*size)

@@ -27,8 +27,8 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 import moonvit
-from moonvit import MoonViT, MoonViTImageProcessor, PackItem, pack_images
+from moonvit import MoonViT, MoonViTImageProcessor, PackItem
+from moonvit.packing import group_into_packs, plan_pack_item
 from moonvit.checkpoint import CheckpointError
 
 from .model import MoonViTProjector
@@ -165,24 +166,9 @@ class PlannedImage:
 def plan_input(index: int, image: InputImage, processor: MoonViTImageProcessor, budget: int) -> PlannedImage:
     """Plan one image from its header alone (scaled down if alone it exceeds ``budget``)."""
     try:
-        (pack,) = pack_images([image.path], processor, budget)
-    except ValueError as error:  # ImageLoadError included; pack_images prefixes "input image 0: "
+        return PlannedImage(image, plan_pack_item(index, image.path, processor, budget), None)
+    except ValueError as error:  # ImageLoadError included; the cause is the unprefixed reason
         return PlannedImage(image, None, str(error.__cause__ or error))
-    return PlannedImage(image, replace(pack.items[0], index=index), None)
-
-
-def group_items(items: Sequence[PackItem], budget: int) -> Iterator[list[PackItem]]:
-    """Consecutive runs of ``items`` with at most ``budget`` patches each (one encoder forward)."""
-    group: list[PackItem] = []
-    total = 0
-    for item in items:
-        if group and total + item.plan.num_patches > budget:
-            yield group
-            group, total = [], 0
-        group.append(item)
-        total += item.plan.num_patches
-    if group:
-        yield group
 
 
 def shard_ranges(count: int, shard_size: int) -> list[range]:
@@ -392,8 +378,8 @@ def export_shard(
     """Encode one shard's images, then write its tensors and its part file, each atomically."""
     encoded: dict[int, EncodedImage] = {}
     reasons: dict[int, str] = {}
-    for group in group_items([p.item for p in planned if p.item is not None], budget):
-        done, failed = encode_group(group, models, store)
+    for pack in group_into_packs((p.item for p in planned if p.item is not None), budget):
+        done, failed = encode_group(pack.items, models, store)
         encoded.update(done)
         reasons.update(failed)
     images: list[dict[str, Any]] = []
