@@ -7,6 +7,8 @@ backward runs, and prints peak memory and time per call.
 
     python benchmarks/cuda_check.py --preset so400m --out outputs/cuda_check.json
     python benchmarks/cuda_check.py --device cpu --preset tiny   # smoke test without a GPU
+
+MFU is model matmul FLOPs (attention included) over the measured bf16 matmul peak.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moonvit import MoonViT  # noqa: E402
 from moonvit.attention import flash_attn_installed  # noqa: E402
+from moonvit.bench import model_flops  # noqa: E402
 
 PACKS = {
     "448x448": [(32, 32)],
     "mixed-4": [(32, 32), (24, 40), (16, 16), (48, 36)],
     "32-small": [(16, 16)] * 32,
     "1792x1792": [(128, 128)],
+    "mixed 16k": [(64, 64)] * 2 + [(32, 32)] * 6 + [(16, 16)] * 8,
 }
 
 
@@ -48,6 +52,14 @@ def timed(fn, device: torch.device, repeats: int = 3) -> tuple[object, float]:
     if device.type == "cuda":
         torch.cuda.synchronize()
     return out, (time.perf_counter() - start) / repeats
+
+
+def device_matmul_peak(device: torch.device, n: int = 8192) -> float:
+    """Best bf16 FLOP/s of an n^3 matmul on ``device``."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    _, seconds = timed(lambda: a @ b, device, repeats=10)
+    return 2 * n**3 / seconds
 
 
 def main() -> None:
@@ -73,6 +85,7 @@ def main() -> None:
         "flash_attn_installed": flash_attn_installed(),
         "preset": args.preset,
         "depth": model.config.num_hidden_layers,
+        "bf16_matmul_peak_tflops": device_matmul_peak(device, 8192 if device.type == "cuda" else 2048) / 1e12,
         "results": [],
     }
     print(json.dumps({k: v for k, v in report.items() if k != "results"}))
@@ -102,6 +115,8 @@ def main() -> None:
                 "rel_error_vs_cpu_fp32": relative_error(out, reference),
                 "ms_per_call": seconds * 1e3,
                 "patches_per_s": patches / seconds,
+                "mfu": model_flops(grids, model.config.hidden_size, model.config.intermediate_size,
+                                   model.config.num_hidden_layers) / seconds / (report["bf16_matmul_peak_tflops"] * 1e12),
                 "peak_mib": peak,
                 "backward_finite": grad_ok,
             }
