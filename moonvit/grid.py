@@ -52,8 +52,11 @@ class PackedGrid:
         positions: (L, 2) int64, (row, col) of each patch inside its own image.
         rope_rotation: (L, head_dim // 2) complex64, the RoPE rotation of each
             channel pair (pair 2i: column angle, 2i + 1: row angle).
-        pos_emb_index: (L, 16) int64, bicubic taps into the flattened position table.
-        pos_emb_weight: (L, 16) float64, the weights of those taps.
+        pos_emb_index: (U, 16) int64, bicubic taps into the flattened position
+            table, for the U patches of the pack's distinct grid sizes.
+        pos_emb_weight: (U, 16) float64, the weights of those taps.
+        pos_emb_row: (L,) int64, each patch's row among those U, or None when every
+            image has its own grid size (U = L, rows in order).
         merge_index: (L,) int64, packed row of each merged slot: ``x[merge_index]``
             viewed as (L / 4, 4, D) is the 2x2 patch merger's output.
         attention_groups: images grouped by sequence length for batched attention.
@@ -67,6 +70,7 @@ class PackedGrid:
     rope_rotation: torch.Tensor
     pos_emb_index: torch.Tensor
     pos_emb_weight: torch.Tensor
+    pos_emb_row: torch.Tensor | None
     merge_index: torch.Tensor
     attention_groups: tuple[AttentionGroup, ...]
 
@@ -127,6 +131,29 @@ def validate_grid_hws(grid_hws: torch.Tensor | Sequence[Sequence[int]], config: 
     return grids
 
 
+@dataclass(frozen=True)
+class _Raster:
+    """Per-patch raster coordinates of images packed in order: each (L,) int64."""
+
+    image: torch.Tensor  # which image
+    offset: torch.Tensor  # first packed row of that image
+    local: torch.Tensor  # index inside the image
+    height: torch.Tensor  # the image's rows
+    width: torch.Tensor  # the image's columns
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """(L, 2) (row, col) inside each image."""
+        return torch.stack([self.local // self.width, self.local % self.width], dim=-1)
+
+
+def _raster(hw: torch.Tensor) -> _Raster:
+    seqlens = hw[:, 0] * hw[:, 1]
+    image = torch.repeat_interleave(torch.arange(len(hw)), seqlens, output_size=int(seqlens.sum()))
+    offset = (seqlens.cumsum(0) - seqlens)[image]
+    return _Raster(image, offset, torch.arange(len(image)) - offset, hw[image, 0], hw[image, 1])
+
+
 def build_packed_grid(
     grid_hws: torch.Tensor | Sequence[Sequence[int]],
     config: MoonViTConfig,
@@ -135,23 +162,25 @@ def build_packed_grid(
     """Validate ``grid_hws`` (N, 2) and compute the pack's metadata on ``device``."""
     grids = validate_grid_hws(grid_hws, config)
     hw = torch.tensor(grids, dtype=torch.int64)
-    heights, widths = hw[:, 0], hw[:, 1]
-    seqlens = heights * widths
-    num_patches = int(seqlens.sum())
+    seqlens = hw[:, 0] * hw[:, 1]
     cu_seqlens = torch.zeros(len(grids) + 1, dtype=torch.int32)
     cu_seqlens[1:] = seqlens.cumsum(0)
-
-    # Per patch: its image, its index inside that image, and that image's width.
-    image_of = torch.repeat_interleave(torch.arange(len(grids)), seqlens, output_size=num_patches)
-    offset = cu_seqlens[:-1].long()[image_of]
-    local = torch.arange(num_patches) - offset
-    width = widths[image_of]
-    positions = torch.stack([local // width, local % width], dim=-1)
+    patches = _raster(hw)
+    positions = patches.positions
+    offset, local, width = patches.offset, patches.local, patches.width
 
     rotation = rope_rotation(positions, config.head_dim, config.rope_theta)
+    # Images of equal grid size share their resampled position table (several
+    # cameras of one resolution, say): resample each distinct size once.
+    distinct, grid_of_image = torch.unique(hw, dim=0, return_inverse=True)
+    resampled = patches if len(distinct) == len(grids) else _raster(distinct)
     taps, weights = bicubic_resample_taps(
-        positions, heights[image_of], width, config.init_pos_emb_height, config.init_pos_emb_width
+        resampled.positions, resampled.height, resampled.width, config.init_pos_emb_height, config.init_pos_emb_width
     )
+    pos_emb_row = None
+    if resampled is not patches:
+        first_row = (distinct[:, 0] * distinct[:, 1]).cumsum(0) - distinct[:, 0] * distinct[:, 1]
+        pos_emb_row = first_row[grid_of_image][patches.image] + local
 
     # Merger: slot `local` of an image is entry q of merged token g, which reads
     # the patch at (row, col) = (g_row * kh + q // kw, g_col * kw + q % kw).
@@ -181,6 +210,7 @@ def build_packed_grid(
         rope_rotation=rotation,
         pos_emb_index=taps,
         pos_emb_weight=weights,
+        pos_emb_row=pos_emb_row,
         merge_index=merge_index,
         attention_groups=tuple(groups),
     )

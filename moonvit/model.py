@@ -52,7 +52,8 @@ class PatchEmbed(nn.Module):
         # it as such, where conv kernels are much slower for 1x1 outputs.
         weight = self.proj.weight.flatten(1)
         x = F.linear(pixel_values.flatten(1), weight, self.proj.bias)
-        return x + self.pos_emb(grid.pos_emb_index, grid.pos_emb_weight)
+        pos = self.pos_emb(grid.pos_emb_index, grid.pos_emb_weight)
+        return x + (pos if grid.pos_emb_row is None else pos[grid.pos_emb_row])
 
 
 class Encoder(nn.Module):

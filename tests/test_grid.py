@@ -67,3 +67,12 @@ def test_list_input_and_device():
 def test_bad_grids_are_named(grid_hws, error, message):
     with pytest.raises(error, match=message):
         build_packed_grid(grid_hws, CONFIG)
+
+
+def test_equal_grid_sizes_share_one_resampled_position_table():
+    grid = build_packed_grid([[2, 2], [4, 2], [2, 2]], CONFIG)
+    assert grid.pos_emb_index.shape == (4 + 8, 16)  # the distinct sizes 2x2 and 4x2 only
+    assert grid.pos_emb_row.tolist() == [0, 1, 2, 3, *range(4, 12), 0, 1, 2, 3]
+    alone = build_packed_grid([[4, 2]], CONFIG)
+    assert alone.pos_emb_row is None
+    assert torch.equal(grid.pos_emb_index[4:], alone.pos_emb_index)
