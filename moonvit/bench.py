@@ -5,7 +5,7 @@ One process, the contenders interleaved on the same weights and packs:
     python -m moonvit.bench --depth 4 --threads 2 --out benchmarks/results/bench_cpu.md
 
 prints the machine's matmul peak (fp32, bf16), then per pack and dtype:
-patches/s, images/s, MFU (matmul FLOPs incl. attention over the measured
+patches/s at --depth and scaled to 27 blocks, images/s, MFU (matmul FLOPs incl. attention over the measured
 peak, scaled from --depth to the full 27 blocks by the per-block time), the
 ratio to transformers, and the fixed per-call cost (depth 0).
 """
@@ -98,9 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     peaks = {name: matmul_peak(DTYPES[name]) for name in args.dtypes}
     lines += [f"matmul peak 4096^3: " + ", ".join(f"{n} {p / 1e9:.0f} GFLOP/s" for n, p in peaks.items()), ""]
     lines += [
-        "| pack | dtype | ours patches/s | peer patches/s | ratio | ours images/s | ours MFU | peer MFU "
-        "| ours fixed ms | peer fixed ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| pack | dtype | ours patches/s | peer patches/s | ratio | ours patches/s @27 | peer patches/s @27 "
+        "| ours images/s @27 | ours MFU | peer MFU | ours fixed ms | peer fixed ms | fixed ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines))
     for dtype_name in args.dtypes:
@@ -118,11 +118,12 @@ def main(argv: list[str] | None = None) -> None:
                 per_block = max(timed[name] - fixed[name], 1e-9) / max(args.depth, 1)
                 full_time = fixed[name] + cfg.num_hidden_layers * per_block
                 flops = model_flops(grid_list, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers)
-                row[name] = (patches / timed[name], flops / full_time / peaks[dtype_name], fixed[name] * 1e3)
+                row[name] = (patches / timed[name], flops / full_time / peaks[dtype_name], fixed[name] * 1e3, full_time)
+            ours, peer = row["ours"], row["peer"]
             line = (
-                f"| {pack_name} | {dtype_name} | {row['ours'][0]:.0f} | {row['peer'][0]:.0f} | "
-                f"{row['ours'][0] / row['peer'][0]:.2f}x | {len(grid_list) / timed['ours']:.1f} | "
-                f"{row['ours'][1]:.0%} | {row['peer'][1]:.0%} | {row['ours'][2]:.1f} | {row['peer'][2]:.1f} |"
+                f"| {pack_name} | {dtype_name} | {ours[0]:.0f} | {peer[0]:.0f} | {ours[0] / peer[0]:.2f}x | "
+                f"{patches / ours[3]:.0f} | {patches / peer[3]:.0f} | {len(grid_list) / ours[3]:.2f} | "
+                f"{ours[1]:.0%} | {peer[1]:.0%} | {ours[2]:.1f} | {peer[2]:.1f} | {ours[2] / peer[2]:.2f} |"
             )
             print(line, flush=True)
             lines.append(line)

@@ -1,0 +1,11 @@
+"""Frozen-feature linear-probe evaluation of MoonViT encoders (``python -m eval.linear_probe``).
+
+Modules, one idea each:
+    datasets: Fashion-MNIST (IDX files), scikit-learn's digits and ImageFolder trees as splits.
+    splits: seeded stratified splits.
+    encoder: building the encoder and hashing its weights.
+    features: the feature views, pack-wise extraction and the on-disk feature cache.
+    probe: standardisation and the two solvers (many-heads AdamW, L-BFGS logistic regression).
+    metrics: top-k, per-class recall, confusion matrices.
+    report: results.json, the confusion-matrix PNG and the markdown table.
+"""

@@ -1,0 +1,74 @@
+"""The frozen encoder under evaluation: built from a checkpoint folder or a random-init preset, and hashed."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moonvit import MoonViT, MoonViTImageProcessor
+
+__all__ = ["FrozenEncoder", "load_frozen_encoder", "weights_hash"]
+
+
+@dataclass(frozen=True)
+class FrozenEncoder:
+    """An encoder in eval mode with its processor and identity.
+
+    Attributes:
+        model: the encoder, in eval mode, gradients off.
+        processor: the checkpoint's image processor (defaults for presets).
+        source: ``checkpoint:PATH`` or ``preset:NAME`` (random init, seed).
+        hash: sha256 identifying the weights (see :func:`weights_hash`).
+    """
+
+    model: MoonViT
+    processor: MoonViTImageProcessor
+    source: str
+    hash: str
+
+
+def weights_hash(model: torch.nn.Module, prefix: str = "") -> str:
+    """sha256 over ``prefix`` and the state dict: every tensor's name, dtype, shape and bytes, in sorted key order."""
+    digest = hashlib.sha256(prefix.encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def load_frozen_encoder(
+    *,
+    checkpoint: str | Path | None = None,
+    preset: str | None = None,
+    random_init: bool = False,
+    seed: int = 0,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> FrozenEncoder:
+    """Load a checkpoint folder, or build a preset with weights drawn after ``torch.manual_seed(seed)``.
+
+    Exactly one of ``checkpoint`` and ``preset`` is given; presets have no trained weights, so they
+    need ``random_init``. A preset's hash covers its name and seed as well as the weights.
+
+    Raises:
+        ValueError: both or neither source, or a preset without ``random_init``.
+    """
+    if (checkpoint is None) == (preset is None):
+        raise ValueError("give exactly one of a checkpoint folder or a preset name")
+    if checkpoint is not None:
+        model = MoonViT.from_pretrained(checkpoint, dtype=dtype, device=device)
+        processor = MoonViTImageProcessor.from_pretrained(checkpoint)
+        source, prefix = f"checkpoint:{Path(checkpoint).resolve()}", "checkpoint"
+    else:
+        if not random_init:
+            raise ValueError(f"preset {preset!r} has no trained weights; pass --random-init to probe a random encoder")
+        torch.manual_seed(seed)
+        model = MoonViT.from_preset(preset).to(device=device, dtype=dtype)
+        processor = MoonViTImageProcessor()
+        source, prefix = f"preset:{preset} (random init, seed {seed})", f"preset:{preset}:seed:{seed}"
+    model.eval().requires_grad_(False)
+    return FrozenEncoder(model, processor, source, weights_hash(model, prefix))

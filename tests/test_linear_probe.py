@@ -1,0 +1,120 @@
+"""The linear-probe solvers, metrics and CLI (``python -m eval.linear_probe``)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers import tiny_model
+from PIL import Image
+
+from eval.datasets import load_dataset
+from eval.features import pixel_features
+from eval.linear_probe import main
+from eval.metrics import classification_metrics
+from eval.probe import ProbeConfig, Standardizer, fit_logistic_lbfgs, run_probe, train_adamw_heads
+
+
+@pytest.fixture(scope="module")
+def digits():
+    dataset = load_dataset("digits", seed=0)
+    train_x, test_x = pixel_features(dataset.train.images), pixel_features(dataset.test.images)
+    scaler = Standardizer.fit(train_x)
+    return (scaler(train_x), torch.from_numpy(dataset.train.labels), scaler(test_x),
+            torch.from_numpy(dataset.test.labels))
+
+
+def test_lbfgs_matches_scikit_learn_logistic_regression(digits):
+    from sklearn.linear_model import LogisticRegression
+
+    train_x, train_y, test_x, test_y = digits
+    c = 0.05
+    ours = fit_logistic_lbfgs(train_x, train_y, 10, c, max_iter=2000, tolerance_grad=1e-9)
+    reference = LogisticRegression(C=c, max_iter=5000, tol=1e-10).fit(train_x.numpy(), train_y.numpy())
+    ours_pred = ours.logits(test_x)[0].argmax(1).numpy()
+    reference_pred = reference.predict(test_x.numpy())
+    assert abs((ours_pred == test_y.numpy()).mean() - (reference_pred == test_y.numpy()).mean()) <= 1 / len(test_y)
+    assert (ours_pred == reference_pred).mean() >= 0.99
+    # same optimum: scikit-learn's weights are ours up to a per-feature shift shared by the classes
+    # (softmax invariance), which the L2 penalty pins to the same zero-mean solution
+    np.testing.assert_allclose(ours.weight[:, 0].numpy().T, reference.coef_, atol=2e-3)
+
+
+def test_digits_probe_on_raw_pixels_reaches_094(digits):
+    train_x, train_y, test_x, test_y = digits
+    for solver in ("adamw", "lbfgs"):
+        result = run_probe(train_x, train_y, test_x, 10, ProbeConfig(solver=solver, min_steps=600))
+        assert classification_metrics(result.test_logits, test_y)["top1"] >= 0.94, solver
+
+
+def test_heads_train_independently_of_each_other(digits):
+    train_x, train_y, _, _ = digits
+    settings = dict(epochs=2, batch_size=256, seed=0)
+    together = train_adamw_heads(train_x, train_y, 10, torch.tensor([1e-2, 1e-1]), torch.tensor([0.0, 1e-2]),
+                                 **settings)
+    alone = train_adamw_heads(train_x, train_y, 10, torch.tensor([1e-1]), torch.tensor([1e-2]), **settings)
+    torch.testing.assert_close(together.weight[:, 1:], alone.weight, atol=1e-5, rtol=1e-4)
+
+
+def test_selection_at_a_grid_edge_warns(digits):
+    train_x, train_y, test_x, _ = digits
+    with pytest.warns(UserWarning, match="C=0.001 is the largest"):
+        result = run_probe(train_x, train_y, test_x, 10,
+                           ProbeConfig(solver="lbfgs", inverse_regularization=(1e-4, 1e-3)))
+    assert result.edge_warnings and result.chosen["C"] == 1e-3
+    assert result.sizes["select_val"] + result.sizes["select_train"] == result.sizes["train"]
+
+
+def test_metrics_of_known_logits():
+    logits = torch.eye(6)[[0, 1, 2, 3, 4, 0]] + torch.linspace(0, 0.5, 6)  # the last row predicts 0 for 5
+    metrics = classification_metrics(logits, torch.tensor([0, 1, 2, 3, 4, 5]))
+    assert metrics["top1"] == pytest.approx(5 / 6) and metrics["top5"] == pytest.approx(1.0)
+    assert metrics["per_class_recall"] == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    assert metrics["confusion"][5][0] == 1
+
+
+FAST = ["--min-steps", "150", "--lrs", "0.01", "0.1", "--weight-decays", "0", "1e-2", "--threads", "2"]
+
+
+def test_cli_on_digits_writes_results_and_reuses_features(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["--preset", "tiny", "--random-init", "--dataset", "digits", "--short-side", "56", "--out", str(out), *FAST]
+    first = main(args)
+    assert "| mean | adamw | 64 |" in capsys.readouterr().out
+    saved = json.loads((out / "results.json").read_text())
+    assert [run["features"] for run in saved["runs"]] == ["mean", "pixels"]
+    assert saved["runs"][1]["test"]["top1"] >= 0.9 and len(saved["per_class_recall"]) == 10
+    assert saved["encoder"]["checkpoint_hash"] == first["encoder"]["checkpoint_hash"]
+    assert saved["preprocessing"]["resize"]["short_side"] == 56 and saved["threads"] == 2
+    assert Image.open(out / "confusion_mean.png").size[0] > 300 and (tmp_path / "feature-cache").is_dir()
+    second = main(args)
+    assert second["runs"][0]["cache_hit"] == {"train": True, "test": True}
+    assert second["top1"] == first["top1"] and second["chosen"] == first["chosen"]  # deterministic
+
+
+def test_cli_probes_a_checkpoint_folder(tmp_path):
+    tiny_model(0).save_pretrained(tmp_path / "ckpt")
+    results = main(["--checkpoint", str(tmp_path / "ckpt"), "--dataset", "digits", "--short-side", "28",
+                    "--no-baseline", "--solver", "lbfgs", "--Cs", "0.1", "1", "--out", str(tmp_path / "out"),
+                    "--threads", "2"])
+    assert len(results["runs"]) == 1 and results["encoder"]["source"].startswith("checkpoint:")
+    assert set(results["chosen"]) == {"C"} and results["top1"] > 0.5
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--preset", "tiny", "--dataset", "digits"], "--random-init"),
+        (["--preset", "tiny", "--random-init", "--dataset", "cifar"], "unknown --dataset 'cifar'"),
+        (["--dataset", "digits"], "needs an encoder"),
+        (["--checkpoint", "/nonexistent", "--dataset", "digits"], "cannot load --checkpoint"),
+        (["--preset", "tiny", "--random-init", "--dataset", "fashion-mnist", "--data-dir", "/nonexistent"],
+         "does not exist"),
+    ],
+)
+def test_cli_errors_name_the_problem(args, message, capsys):
+    with pytest.raises(SystemExit):
+        main(args)
+    assert message in capsys.readouterr().err
