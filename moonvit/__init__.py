@@ -4,7 +4,15 @@ from .checkpoint import CheckpointError
 from .config import PRESETS, MoonViTConfig, preset_config
 from .grid import PackedGrid, build_packed_grid
 from .model import MoonViT, MoonViTOutput
-from .packing import DEFAULT_MAX_PATCHES_PER_PACK, EncodedImage, Pack, PackItem, encode_images, iter_encode_images, pack_images
+from .packing import (
+    DEFAULT_MAX_PATCHES_PER_PACK,
+    EncodedImage,
+    Pack,
+    PackItem,
+    encode_images,
+    iter_encode_images,
+    pack_images,
+)
 from .processor import (
     ImageBatch,
     ImageLoadError,

@@ -20,7 +20,7 @@ from . import __version__
 from .config import PRESETS
 from .model import MoonViT
 from .packing import iter_encode_images
-from .processor import MoonViTImageProcessor, image_size
+from .processor import MoonViTImageProcessor, image_size, load_image
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-patches-per-pack", type=int, default=16384, help="patch budget of one forward")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random-init preset")
     parser.add_argument("--out", type=Path, default=Path("outputs/demo"), help="output folder")
+    parser.add_argument("--save-checkpoint", type=Path,
+                        help="also write the encoder and processor settings here (a checkpoint folder)")
+    parser.add_argument("--save-images", type=Path, help="also write the input images here as PNG")
     return parser.parse_args(argv)
 
 
@@ -82,6 +85,13 @@ def main(argv: list[str] | None = None) -> None:
         processor = MoonViTImageProcessor()
         source = f"preset {args.preset} (random weights, seed {args.seed})"
     images = {path.name: path for path in args.images} if args.images else sample_images()
+    if args.save_checkpoint:
+        encoder.save_pretrained(args.save_checkpoint)
+        processor.save_pretrained(args.save_checkpoint)
+    if args.save_images:
+        args.save_images.mkdir(parents=True, exist_ok=True)
+        for name, image in images.items():
+            load_image(image).save(args.save_images / f"{Path(name).stem}.png")
 
     start = time.perf_counter()
     results = list(

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
 
     lines = [f"torch {torch.__version__}, {args.threads} threads, depth {args.depth} (MFU scaled to 27 blocks)", ""]
     peaks = {name: matmul_peak(DTYPES[name]) for name in args.dtypes}
-    lines += [f"matmul peak 4096^3: " + ", ".join(f"{n} {p / 1e9:.0f} GFLOP/s" for n, p in peaks.items()), ""]
+    lines += ["matmul peak 4096^3: " + ", ".join(f"{n} {p / 1e9:.0f} GFLOP/s" for n, p in peaks.items()), ""]
     lines += [
         "| pack | dtype | ours patches/s | peer patches/s | ratio | ours patches/s @27 | peer patches/s @27 "
         "| ours images/s @27 | ours MFU | peer MFU | ours fixed ms | peer fixed ms | fixed ratio |",

@@ -9,7 +9,7 @@ from typing import Any
 from safetensors import safe_open
 from torch.utils.data import Dataset
 
-from .export import MANIFEST_FILE, RUN_FILE
+from .token_folder import MANIFEST_FILE, RUN_FILE
 
 __all__ = ["VisualTokenDataset"]
 

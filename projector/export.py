@@ -40,10 +40,11 @@ from tqdm import tqdm
 
 import moonvit
 from moonvit import MoonViT, MoonViTImageProcessor, PackItem
-from moonvit.packing import group_into_packs, plan_pack_item
 from moonvit.checkpoint import CheckpointError
+from moonvit.packing import group_into_packs, plan_pack_item
 
 from .model import MoonViTProjector
+from .token_folder import FAILURES_FILE, FORMAT, MANIFEST_FILE, PARTS_DIR, RUN_FILE
 
 __all__ = [
     "DTYPES",
@@ -59,11 +60,6 @@ __all__ = [
 IMAGE_EXTENSIONS = frozenset({".bmp", ".gif", ".jpeg", ".jpg", ".png", ".tif", ".tiff", ".webp"})
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 STORES = {"merged": ("merged",), "projected": ("projected",), "both": ("merged", "projected")}
-FORMAT = "moonvit-visual-tokens/1"
-RUN_FILE = "run.json"
-MANIFEST_FILE = "manifest.jsonl"
-FAILURES_FILE = "failures.jsonl"
-PARTS_DIR = "parts"
 
 
 class ExportError(RuntimeError):

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import random_pack, tiny_model, write_kimi_vl_folder
 from safetensors.torch import load_file, save_file
 
 import moonvit.checkpoint as checkpoint
-from helpers import random_pack, tiny_model, write_kimi_vl_folder
 from moonvit import CheckpointError, MoonViT, MoonViTConfig
 
 LM_TENSORS = {

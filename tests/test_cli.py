@@ -2,9 +2,9 @@ import json
 import subprocess
 import sys
 
+from helpers import tiny_model
 from safetensors.torch import load_file
 
-from helpers import tiny_model
 from moonvit import MoonViTImageProcessor
 from moonvit.__main__ import main
 
@@ -36,6 +36,16 @@ def test_main_job_from_a_checkpoint_folder_and_files(tmp_path, capsys):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     # 21 x 14 = 294 patches > 64: scaled by sqrt(64 / 294) to 139 x 93 px, padded to 140 x 112.
     assert summary["images"][0]["grid_hw"] == [8, 10]
+
+
+def test_main_job_saves_a_checkpoint_and_images_for_the_export(tmp_path, capsys):
+    main(["--preset", "tiny", "--dtype", "fp32", "--out", str(tmp_path / "out"),
+          "--save-checkpoint", str(tmp_path / "ckpt"), "--save-images", str(tmp_path / "images")])
+    assert len(list((tmp_path / "images").glob("*.png"))) == 5
+    assert MoonViTImageProcessor.from_pretrained(tmp_path / "ckpt") == MoonViTImageProcessor()
+    from moonvit import MoonViT
+
+    assert MoonViT.from_pretrained(tmp_path / "ckpt").config.hidden_size == 64
 
 
 def test_help_runs_as_a_module():

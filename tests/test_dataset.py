@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_checkpoint, run_export, write_images
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from projector.dataset import VisualTokenDataset
-from test_export import make_checkpoint, run_export, write_images
 
 
 @pytest.fixture(scope="module")

@@ -11,55 +11,21 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from helpers import make_checkpoint, run_export, write_images
 from PIL import Image
 from safetensors import safe_open
 
-from helpers import tiny_model
 from moonvit import MoonViT, MoonViTImageProcessor
-from projector import MoonViTProjector, ProjectorConfig
+from projector import MoonViTProjector
 from projector.dataset import VisualTokenDataset
-from projector.export import ExportError, InputImage, main, read_inputs, split_balanced
+from projector.export import ExportError, InputImage, read_inputs, split_balanced
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 # ---- builders --------------------------------------------------------------------------------
-
-
-def make_checkpoint(folder: Path, *, projector: bool = True) -> Path:
-    """A tiny encoder, a 32-wide projector and a processor with in_token_limit=64, in one folder."""
-    encoder = tiny_model()
-    encoder.save_pretrained(folder)
-    if projector:
-        torch.manual_seed(1)
-        MoonViTProjector(ProjectorConfig.for_encoder(encoder.config, 32)).save_pretrained(folder)
-    MoonViTImageProcessor(in_token_limit=64).save_pretrained(folder)
-    return folder
-
-
-def write_images(folder: Path, count: int, seed: int = 0) -> list[Path]:
-    """``count`` noise images of assorted sizes (some over the token limit), PNG and JPEG, some in a subfolder."""
-    rng = np.random.default_rng(seed)
-    paths = []
-    for i in range(count):
-        width, height = int(rng.integers(20, 200)), int(rng.integers(20, 160))
-        path = folder / ("nested" if i % 3 == 0 else "") / f"img{i:03d}.{'png' if i % 2 else 'jpg'}"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
-        paths.append(path)
-    return paths
-
-
-def run_export(*args: str | Path, threads: int = 1) -> dict:
-    """The export in this process (torch's thread count restored afterwards)."""
-    previous = torch.get_num_threads()
-    try:
-        return main([str(a) for a in args] + ["--threads", str(threads)])
-    finally:
-        torch.set_num_threads(previous)
 
 
 def export_command(*args: str | Path) -> list[str]:

@@ -4,11 +4,11 @@ import types
 
 import pytest
 import torch
+from helpers import random_pack, tiny_model
+from reference import reference_forward
 
 import moonvit.attention as attention
-from helpers import random_pack, tiny_model
 from moonvit import MoonViT, preset_config
-from reference import reference_forward
 
 MIXED = [(2, 2), (6, 10), (4, 4), (66, 4), (2, 68), (4, 4)]
 BACKENDS = ["eager", "sdpa"]

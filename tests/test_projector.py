@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import random_pack, randomize_, tiny_model, write_kimi_vl_folder
 from safetensors.torch import load_file, save_file
 
 import moonvit.checkpoint as moonvit_checkpoint
 import projector.model as projector_model
-from helpers import randomize_, random_pack, tiny_model, write_kimi_vl_folder
 from moonvit import CheckpointError, MoonViT
 from projector import MoonViTProjector, ProjectorConfig
 

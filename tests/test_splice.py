@@ -6,8 +6,8 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import random_pack, tiny_model
+
 from projector import (
     IGNORE_INDEX,
     MoonViTProjector,

@@ -3,7 +3,6 @@ of the same MoonViT, its weights permuted by transformers' own PermuteForRope.""
 
 import pytest
 import torch
-
 from helpers import random_pack, tiny_model
 
 pytest.importorskip("transformers.models.kimi_k25.modeling_kimi_k25")
