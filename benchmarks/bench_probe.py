@@ -17,23 +17,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eval.datasets import DEFAULT_FASHION_MNIST_DIR, load_dataset  # noqa: E402
-from eval.features import pixel_features  # noqa: E402
-from eval.linear_probe import main as linear_probe  # noqa: E402
-from eval.metrics import classification_metrics  # noqa: E402
-from eval.probe import ProbeConfig, run_probe  # noqa: E402
+from eval.datasets import DEFAULT_FASHION_MNIST_DIR, load_dataset
+from eval.features import pixel_features
+from eval.linear_probe import main as linear_probe
+from eval.metrics import classification_metrics
+from eval.probe import ProbeConfig, run_probe
 
 
 def synthetic_features(train: int, test: int, dim: int, classes: int, seed: int = 0):

@@ -16,17 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from moonvit import MoonViT  # noqa: E402
-from moonvit.attention import flash_attn_installed  # noqa: E402
-from moonvit.bench import model_flops  # noqa: E402
+from moonvit import MoonViT
+from moonvit.attention import flash_attn_installed
+from moonvit.bench import model_flops
 
 PACKS = {
     "448x448": [(32, 32)],

@@ -133,3 +133,40 @@ def run_export(*args: str | Path, threads: int = 1) -> dict:
         torch.set_num_threads(previous)
 
 
+
+
+class SafeOpenSpy:
+    """Stands in for ``safe_open`` in the given modules: records the files opened
+    and the tensors read (``get_tensor``), and passes everything through."""
+
+    def __init__(self, monkeypatch, *modules) -> None:
+        from safetensors import safe_open
+
+        self.opened: set[str] = set()
+        self.read: set[str] = set()
+        spy = self
+
+        class Handle:
+            def __init__(self, path, *args, **kwargs):
+                spy.opened.add(Path(path).name)
+                self.handle = safe_open(path, *args, **kwargs)
+
+            def __enter__(self):
+                self.handle.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return self.handle.__exit__(*exc)
+
+            def keys(self):
+                return self.handle.keys()
+
+            def get_slice(self, name):
+                return self.handle.get_slice(name)
+
+            def get_tensor(self, name):
+                spy.read.add(name)
+                return self.handle.get_tensor(name)
+
+        for module in modules:
+            monkeypatch.setattr(module, "safe_open", Handle)

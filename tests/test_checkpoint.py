@@ -2,11 +2,10 @@ import json
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import random_pack, tiny_model, write_kimi_vl_folder
+from helpers import SafeOpenSpy, random_pack, tiny_model, write_kimi_vl_folder
 from safetensors.torch import load_file, save_file
 
 import moonvit.checkpoint as checkpoint
@@ -55,38 +54,10 @@ def test_kimi_vl_single_file(tmp_path):
 def test_kimi_vl_sharded_reads_only_vision_tensors(tmp_path, monkeypatch):
     model = tiny_model()
     write_kimi_vl_folder(tmp_path, model, other_tensors=LM_TENSORS, sharded=True)
-    opened, read = [], []
-    real_safe_open = checkpoint.safe_open
-
-    class SpyHandle:
-        def __init__(self, handle):
-            self.handle = handle
-
-        def __enter__(self):
-            self.handle.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.handle.__exit__(*exc)
-
-        def keys(self):
-            return self.handle.keys()
-
-        def get_slice(self, name):
-            return self.handle.get_slice(name)
-
-        def get_tensor(self, name):
-            read.append(name)
-            return self.handle.get_tensor(name)
-
-    def spy(path, *args, **kwargs):
-        opened.append(Path(path).name)
-        return SpyHandle(real_safe_open(path, *args, **kwargs))
-
-    monkeypatch.setattr(checkpoint, "safe_open", spy)
+    spy = SafeOpenSpy(monkeypatch, checkpoint)
     loaded = MoonViT.from_pretrained(tmp_path, dtype=torch.bfloat16)
-    assert set(opened) == {"model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors"}
-    assert set(read) == {f"vision_tower.{k}" for k in model.state_dict()}
+    assert spy.opened == {"model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors"}
+    assert spy.read == {f"vision_tower.{k}" for k in model.state_dict()}
     assert all(p.dtype == torch.bfloat16 for p in loaded.parameters())
     assert torch.equal(loaded.patch_embed.pos_emb.weight, model.patch_embed.pos_emb.weight.bfloat16())
 

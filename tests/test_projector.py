@@ -3,12 +3,11 @@ projection, and its checkpoints (own format, Kimi-VL, Kimi-K2.5)."""
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import random_pack, randomize_, tiny_model, write_kimi_vl_folder
+from helpers import SafeOpenSpy, random_pack, randomize_, tiny_model, write_kimi_vl_folder
 from safetensors.torch import load_file, save_file
 
 import moonvit.checkpoint as moonvit_checkpoint
@@ -226,36 +225,10 @@ def test_kimi_vl_sharded_reads_only_projector_tensors(tmp_path, monkeypatch):
     # Shard 1: vision + the embedding table; shard 2: vision; shard 3: lm_head + projector.
     other = LM_TENSORS | kimi_vl_tensors(projector)
     write_kimi_vl_folder(tmp_path, tiny_model(), text_hidden_size=TEXT, other_tensors=other, sharded=True)
-    opened, read = set(), set()
-    real_safe_open = projector_model.safe_open
-
-    class Spy:
-        def __init__(self, path, *args, **kwargs):
-            opened.add(Path(path).name)
-            self.handle = real_safe_open(path, *args, **kwargs)
-
-        def __enter__(self):
-            self.handle.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.handle.__exit__(*exc)
-
-        def keys(self):
-            return self.handle.keys()
-
-        def get_slice(self, name):
-            return self.handle.get_slice(name)
-
-        def get_tensor(self, name):
-            read.add(name)
-            return self.handle.get_tensor(name)
-
-    monkeypatch.setattr(projector_model, "safe_open", Spy)
-    monkeypatch.setattr(moonvit_checkpoint, "safe_open", Spy)
+    spy = SafeOpenSpy(monkeypatch, projector_model, moonvit_checkpoint)
     loaded = MoonViTProjector.from_pretrained(tmp_path, dtype=torch.bfloat16)
-    assert opened == {"model-00003-of-00003.safetensors"}
-    assert read == set(kimi_vl_tensors(projector))
+    assert spy.opened == {"model-00003-of-00003.safetensors"}
+    assert spy.read == set(kimi_vl_tensors(projector))
     assert all(p.dtype == torch.bfloat16 for p in loaded.parameters())
     assert torch.equal(loaded.linear_1.weight, projector.linear_1.weight.bfloat16())
 
