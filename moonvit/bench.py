@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
             lines.append(line)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("```\npython -m moonvit.bench " + " ".join(argv or []) + "\n```\n\n" + "\n".join(lines) + "\n")
+        command = " ".join(["python -m moonvit.bench", *(sys.argv[1:] if argv is None else argv)])
+        args.out.write_text(f"```\n{command}\n```\n\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
