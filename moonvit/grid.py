@@ -133,8 +133,9 @@ def validate_grid_hws(grid_hws: torch.Tensor | Sequence[Sequence[int]], config: 
 
 @dataclass(frozen=True)
 class _Raster:
-    """Per-patch raster coordinates of images packed in order: each (L,) int64."""
+    """Raster coordinates of images packed in order: ``starts`` (N,), the rest (L,) int64."""
 
+    starts: torch.Tensor  # first packed row of each image
     image: torch.Tensor  # which image
     offset: torch.Tensor  # first packed row of that image
     local: torch.Tensor  # index inside the image
@@ -150,8 +151,9 @@ class _Raster:
 def _raster(hw: torch.Tensor) -> _Raster:
     seqlens = hw[:, 0] * hw[:, 1]
     image = torch.repeat_interleave(torch.arange(len(hw)), seqlens, output_size=int(seqlens.sum()))
-    offset = (seqlens.cumsum(0) - seqlens)[image]
-    return _Raster(image, offset, torch.arange(len(image)) - offset, hw[image, 0], hw[image, 1])
+    starts = seqlens.cumsum(0) - seqlens
+    offset = starts[image]
+    return _Raster(starts, image, offset, torch.arange(len(image)) - offset, hw[image, 0], hw[image, 1])
 
 
 def build_packed_grid(
@@ -177,10 +179,7 @@ def build_packed_grid(
     taps, weights = bicubic_resample_taps(
         resampled.positions, resampled.height, resampled.width, config.init_pos_emb_height, config.init_pos_emb_width
     )
-    pos_emb_row = None
-    if resampled is not patches:
-        first_row = (distinct[:, 0] * distinct[:, 1]).cumsum(0) - distinct[:, 0] * distinct[:, 1]
-        pos_emb_row = first_row[grid_of_image][patches.image] + local
+    pos_emb_row = None if resampled is patches else resampled.starts[grid_of_image][patches.image] + local
 
     # Merger: slot `local` of an image is entry q of merged token g, which reads
     # the patch at (row, col) = (g_row * kh + q // kw, g_col * kw + q % kw).
@@ -196,9 +195,9 @@ def build_packed_grid(
         images = (seqlens == seqlen).nonzero().flatten()
         first, count = int(images[0]), len(images)
         if int(images[-1]) - first + 1 == count:
-            groups.append(AttentionGroup(seqlen, count, int(cu_seqlens[first]), None))
+            groups.append(AttentionGroup(seqlen, count, int(patches.starts[first]), None))
         else:
-            rows = cu_seqlens[:-1].long()[images, None] + torch.arange(seqlen)
+            rows = patches.starts[images, None] + torch.arange(seqlen)
             groups.append(AttentionGroup(seqlen, count, None, rows))
 
     grid = PackedGrid(
