@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from moonvit import MoonViT, MoonViTImageProcessor
+from moonvit.checkpoint import update_weights_digest
 
 __all__ = ["FrozenEncoder", "load_frozen_encoder", "weights_hash"]
 
@@ -33,10 +34,7 @@ class FrozenEncoder:
 def weights_hash(model: torch.nn.Module, prefix: str = "") -> str:
     """sha256 over ``prefix`` and the state dict: every tensor's name, dtype, shape and bytes, in sorted key order."""
     digest = hashlib.sha256(prefix.encode())
-    for name, tensor in sorted(model.state_dict().items()):
-        tensor = tensor.detach().cpu().contiguous()
-        digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    update_weights_digest(digest, model)
     return digest.hexdigest()
 
 

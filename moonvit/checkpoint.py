@@ -16,6 +16,7 @@ the ``vision_tower.`` prefix, so no renaming is involved.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -156,6 +157,17 @@ def assign_from_files(
                 state[model_name[name]] = f.get_tensor(name).to(device=device or "cpu", dtype=dtype, copy=True)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
+
+
+def update_weights_digest(digest: "hashlib._Hash", module: nn.Module, prefix: str = "") -> None:
+    """Feed every state-dict tensor's name, dtype, shape and bytes, in sorted name order, to ``digest``.
+
+    Two modules give the same digest exactly when their weights are identical.
+    """
+    for name, tensor in sorted(module.state_dict().items()):
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"{prefix}{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def save_pretrained(model: "MoonViT", path: str | Path) -> None:

@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 import moonvit
 from moonvit import MoonViT, MoonViTImageProcessor, PackItem
-from moonvit.checkpoint import CheckpointError
+from moonvit.checkpoint import CheckpointError, update_weights_digest
 from moonvit.packing import group_into_packs, plan_pack_item
 
 from .model import MoonViTProjector
@@ -257,11 +257,11 @@ def load_models(checkpoint: Path, store: Sequence[str], dtype: torch.dtype, devi
     digest = hashlib.sha256()
     try:
         encoder = MoonViT.from_pretrained(checkpoint, device="cpu")
-        _hash_state(digest, "encoder.", encoder)
+        update_weights_digest(digest, encoder, "encoder.")
         projector = None
         if "projected" in store:
             projector = MoonViTProjector.from_pretrained(checkpoint, device="cpu")
-            _hash_state(digest, "projector.", projector)
+            update_weights_digest(digest, projector, "projector.")
     except CheckpointError as error:
         hint = " (use --store merged to export without a projector)" if "projected" in store else ""
         raise ExportError(f"--checkpoint {checkpoint}: {error}{hint}") from error
@@ -269,12 +269,6 @@ def load_models(checkpoint: Path, store: Sequence[str], dtype: torch.dtype, devi
     encoder = encoder.to(device=device, dtype=dtype).eval()
     projector = projector.to(device=device, dtype=dtype).eval() if projector is not None else None
     return Models(encoder, projector, processor, digest.hexdigest())
-
-
-def _hash_state(digest: Any, prefix: str, module: torch.nn.Module) -> None:
-    for name, tensor in sorted(module.state_dict().items()):
-        digest.update(f"{prefix}{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 # ---- run description -------------------------------------------------------------------------
