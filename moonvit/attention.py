@@ -77,7 +77,11 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Pack
 
 def _sdpa_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AttentionGroup, rows) -> torch.Tensor:
     """Attention of one group; ``rows`` selects its packed rows. Returns (images * seqlen, heads, head_dim)."""
-    batch = [t[rows].reshape(group.num_images, group.seqlen, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)]
+    if isinstance(rows, torch.Tensor):
+        q, k, v = (t.index_select(0, rows.flatten()) for t in (q, k, v))
+    else:
+        q, k, v = (t[rows] for t in (q, k, v))
+    batch = [t.reshape(group.num_images, group.seqlen, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)]
     return F.scaled_dot_product_attention(*batch).transpose(1, 2).flatten(0, 1)
 
 

@@ -7,12 +7,16 @@ One process, the contenders interleaved on the same weights and packs:
 prints the machine's matmul peak (fp32, bf16), then per pack and dtype:
 patches/s at --depth and scaled to 27 blocks, images/s, MFU (matmul FLOPs incl. attention over the measured
 peak, scaled from --depth to the full 27 blocks by the per-block time), the
-ratio to transformers, and the fixed per-call cost (depth 0).
+ratio to transformers, the fixed per-call cost (depth 0; for this encoder also
+with its grid and position caches cleared before every call, as for a pack
+never seen before) and the peak memory a forward adds (Linux).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import re
 import statistics
 import sys
 import time
@@ -48,14 +52,43 @@ def model_flops(grids: list[tuple[int, int]], hidden: int, mlp: int, depth: int,
     return 2 * patches * 3 * patch * patch * hidden + depth * per_block
 
 
+def peak_extra_bytes(fn: Callable[[], object]) -> int | None:
+    """Resident memory that one call of ``fn`` adds at its peak, or None where it cannot be read.
+
+    Linux: free memory goes back to the system, the high-water mark is reset,
+    and the mark after the call is compared with the resident size before it.
+    """
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _proc_status_bytes("VmRSS")
+        fn()
+        return _proc_status_bytes("VmHWM") - before
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def _proc_status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        match = re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M)
+    if match is None:
+        raise ValueError(f"{key} not in /proc/self/status")
+    return int(match.group(1)) * 1024
+
+
+def _mib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.0f}"
+
+
 def _seconds(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
 
 
-def build(depth: int, dtype: torch.dtype) -> tuple[Callable, Callable]:
-    """(ours, transformers') forward callables on the same random weights."""
+def build(depth: int, dtype: torch.dtype) -> tuple[Callable, Callable, Callable]:
+    """(ours, transformers', ours with cold caches) forward callables on the same random weights."""
     from .interop import to_transformers
 
     torch.manual_seed(0)
@@ -65,11 +98,15 @@ def build(depth: int, dtype: torch.dtype) -> tuple[Callable, Callable]:
     def ours(pixels, grids):
         return model(pixels, grids).merged
 
+    def ours_new_grid(pixels, grids):
+        model.clear_caches()
+        return model(pixels, grids).merged
+
     def theirs(pixels, grids):
         thw = torch.cat([torch.ones(len(grids), 1, dtype=torch.int64), grids], dim=1)
         return peer(pixels, thw).pooler_output
 
-    return ours, theirs
+    return ours, theirs, ours_new_grid
 
 
 def time_interleaved(contenders: dict[str, Callable], pixels, grids, repeats: int) -> dict[str, float]:
@@ -100,20 +137,23 @@ def main(argv: list[str] | None = None) -> None:
     lines += ["matmul peak 4096^3: " + ", ".join(f"{n} {p / 1e9:.0f} GFLOP/s" for n, p in peaks.items()), ""]
     lines += [
         "| pack | dtype | ours patches/s | peer patches/s | ratio | ours patches/s @27 | peer patches/s @27 "
-        "| ours images/s @27 | ours MFU | peer MFU | ours fixed ms | peer fixed ms | fixed ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ours images/s @27 | ours MFU | peer MFU | ours fixed ms | ours fixed ms, new grid | peer fixed ms "
+        "| fixed ratio | ours peak MiB | peer peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines))
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
         full = dict(zip(("ours", "peer"), build(args.depth, dtype)))
-        empty = dict(zip(("ours", "peer"), build(0, dtype)))
+        empty = dict(zip(("ours", "peer", "ours_new_grid"), build(0, dtype)))
         for pack_name, grid_list in PACKS.items():
             grids = torch.tensor(grid_list)
             patches = int((grids[:, 0] * grids[:, 1]).sum())
             pixels = torch.randn(patches, 3, 14, 14).to(dtype)
             timed = time_interleaved(full, pixels, grids, args.repeats)
             fixed = time_interleaved(empty, pixels, grids, args.repeats)
+            with torch.inference_mode():
+                peak = {name: peak_extra_bytes(lambda: fn(pixels, grids)) for name, fn in full.items()}
             row = {}
             for name in ("ours", "peer"):
                 per_block = max(timed[name] - fixed[name], 1e-9) / max(args.depth, 1)
@@ -124,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
             line = (
                 f"| {pack_name} | {dtype_name} | {ours[0]:.0f} | {peer[0]:.0f} | {ours[0] / peer[0]:.2f}x | "
                 f"{patches / ours[3]:.0f} | {patches / peer[3]:.0f} | {len(grid_list) / ours[3]:.2f} | "
-                f"{ours[1]:.0%} | {peer[1]:.0%} | {ours[2]:.1f} | {peer[2]:.1f} | {ours[2] / peer[2]:.2f} |"
+                f"{ours[1]:.0%} | {peer[1]:.0%} | {ours[2]:.1f} | {fixed['ours_new_grid'] * 1e3:.1f} | "
+                f"{peer[2]:.1f} | {ours[2] / peer[2]:.2f} | {_mib(peak['ours'])} | {_mib(peak['peer'])} |"
             )
             print(line, flush=True)
             lines.append(line)

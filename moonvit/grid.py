@@ -11,6 +11,7 @@ synchronisation and compiles and exports cleanly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -57,6 +58,7 @@ class PackedGrid:
         pos_emb_weight: (U, 16) float64, the weights of those taps.
         pos_emb_row: (L,) int64, each patch's row among those U, or None when every
             image has its own grid size (U = L, rows in order).
+        pos_emb_sizes: the (h, w) grid sizes whose rasters make up the U rows, in order.
         merge_index: (L,) int64, packed row of each merged slot: ``x[merge_index]``
             viewed as (L / 4, 4, D) is the 2x2 patch merger's output.
         attention_groups: images grouped by sequence length for batched attention.
@@ -71,6 +73,7 @@ class PackedGrid:
     pos_emb_index: torch.Tensor
     pos_emb_weight: torch.Tensor
     pos_emb_row: torch.Tensor | None
+    pos_emb_sizes: tuple[tuple[int, int], ...]
     merge_index: torch.Tensor
     attention_groups: tuple[AttentionGroup, ...]
 
@@ -156,13 +159,47 @@ def _raster(hw: torch.Tensor) -> _Raster:
     return _Raster(starts, image, offset, torch.arange(len(image)) - offset, hw[image, 0], hw[image, 1])
 
 
+# Packs up to this many patches are kept in an LRU cache, keyed by their grids:
+# a robot's cameras or a fixed-resolution pipeline repeat the same pack.
+CACHED_PACK_PATCHES = 65536
+
+
 def build_packed_grid(
     grid_hws: torch.Tensor | Sequence[Sequence[int]],
     config: MoonViTConfig,
     device: torch.device | str | None = None,
 ) -> PackedGrid:
-    """Validate ``grid_hws`` (N, 2) and compute the pack's metadata on ``device``."""
-    grids = validate_grid_hws(grid_hws, config)
+    """Validate ``grid_hws`` (N, 2) and compute the pack's metadata on ``device``.
+
+    Repeated packs come from a small cache; the returned tensors are shared, read-only.
+    """
+    grids = tuple(validate_grid_hws(grid_hws, config))
+    geometry = (
+        config.head_dim,
+        config.rope_theta,
+        config.init_pos_emb_height,
+        config.init_pos_emb_width,
+        tuple(config.merge_kernel_size),
+    )
+    device = None if device is None else torch.device(device)
+    if sum(h * w for h, w in grids) <= CACHED_PACK_PATCHES:
+        return _cached_grid(grids, geometry, device)
+    return _build(grids, geometry, device)
+
+
+def clear_grid_cache() -> None:
+    _cached_grid.cache_clear()
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_grid(grids: tuple[tuple[int, int], ...], geometry: tuple, device: torch.device | None) -> PackedGrid:
+    # Built as normal tensors even inside inference mode, so that a later training step can use them.
+    with torch.inference_mode(False):
+        return _build(grids, geometry, device)
+
+
+def _build(grids: tuple[tuple[int, int], ...], geometry: tuple, device: torch.device | None) -> PackedGrid:
+    head_dim, rope_theta, table_height, table_width, (kh, kw) = geometry
     hw = torch.tensor(grids, dtype=torch.int64)
     seqlens = hw[:, 0] * hw[:, 1]
     cu_seqlens = torch.zeros(len(grids) + 1, dtype=torch.int32)
@@ -171,19 +208,22 @@ def build_packed_grid(
     positions = patches.positions
     offset, local, width = patches.offset, patches.local, patches.width
 
-    rotation = rope_rotation(positions, config.head_dim, config.rope_theta)
+    rotation = rope_rotation(positions, head_dim, rope_theta)
     # Images of equal grid size share their resampled position table (several
     # cameras of one resolution, say): resample each distinct size once.
     distinct, grid_of_image = torch.unique(hw, dim=0, return_inverse=True)
     resampled = patches if len(distinct) == len(grids) else _raster(distinct)
     taps, weights = bicubic_resample_taps(
-        resampled.positions, resampled.height, resampled.width, config.init_pos_emb_height, config.init_pos_emb_width
+        resampled.positions, resampled.height, resampled.width, table_height, table_width
     )
-    pos_emb_row = None if resampled is patches else resampled.starts[grid_of_image][patches.image] + local
+    if resampled is patches:
+        pos_emb_row, pos_emb_sizes = None, grids
+    else:
+        pos_emb_row = resampled.starts[grid_of_image][patches.image] + local
+        pos_emb_sizes = tuple((int(h), int(w)) for h, w in distinct.tolist())
 
     # Merger: slot `local` of an image is entry q of merged token g, which reads
     # the patch at (row, col) = (g_row * kh + q // kw, g_col * kw + q % kw).
-    kh, kw = config.merge_kernel_size
     group, within = local // (kh * kw), local % (kh * kw)
     merged_width = width // kw
     source_row = (group // merged_width) * kh + within // kw
@@ -210,6 +250,7 @@ def build_packed_grid(
         pos_emb_index=taps,
         pos_emb_weight=weights,
         pos_emb_row=pos_emb_row,
+        pos_emb_sizes=pos_emb_sizes,
         merge_index=merge_index,
         attention_groups=tuple(groups),
     )

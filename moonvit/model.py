@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from .attention import check_attn_implementation, resolve_attn_implementation
 from .blocks import Block
 from .config import MoonViTConfig, preset_config
-from .grid import PackedGrid, build_packed_grid
+from .grid import PackedGrid, build_packed_grid, clear_grid_cache
 from .position import LearnablePositionTable
 
 
@@ -52,8 +52,8 @@ class PatchEmbed(nn.Module):
         # it as such, where conv kernels are much slower for 1x1 outputs.
         weight = self.proj.weight.flatten(1)
         x = F.linear(pixel_values.flatten(1), weight, self.proj.bias)
-        pos = self.pos_emb(grid.pos_emb_index, grid.pos_emb_weight)
-        return x + (pos if grid.pos_emb_row is None else pos[grid.pos_emb_row])
+        pos = self.pos_emb(grid.pos_emb_index, grid.pos_emb_weight, grid.pos_emb_sizes)
+        return x + (pos if grid.pos_emb_row is None else pos.index_select(0, grid.pos_emb_row))
 
 
 class Encoder(nn.Module):
@@ -147,6 +147,11 @@ class MoonViT(nn.Module):
     def gradient_checkpointing_disable(self) -> None:
         self.encoder.gradient_checkpointing = False
 
+    def clear_caches(self) -> None:
+        """Forget cached pack metadata and resampled position tables (they rebuild on demand)."""
+        clear_grid_cache()
+        self.patch_embed.pos_emb.clear_cache()
+
     # ---- forward ------------------------------------------------------------------
     def prepare_grid(self, grid_hws: torch.Tensor | Sequence[Sequence[int]]) -> PackedGrid:
         """Validate ``grid_hws`` (N, 2) and compute the pack's metadata on the model's device.
@@ -182,7 +187,8 @@ class MoonViT(nn.Module):
         x = self.patch_embed(pixel_values.to(self.dtype), grid)
         x, hidden_states = self.encoder(x, grid, attn_implementation, output_hidden_states)
         kh, kw = self.config.merge_kernel_size
-        merged = x[grid.merge_index].unflatten(0, (-1, kh * kw))
+        # index_select: several times faster than advanced indexing for a row gather on CPU.
+        merged = x.index_select(0, grid.merge_index).unflatten(0, (-1, kh * kw))
         return MoonViTOutput(last_hidden_state=x, merged=merged, hidden_states=hidden_states)
 
     def _check_pixel_values(self, pixel_values: torch.Tensor, grid: PackedGrid) -> None:

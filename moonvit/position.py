@@ -9,6 +9,9 @@ instead of a per-image loop.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from typing import Sequence
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -70,20 +73,84 @@ def bicubic_resample_taps(
 
 
 class LearnablePositionTable(nn.Module):
-    """A learnable (height, width, dim) table resampled to every image's grid."""
+    """A learnable (height, width, dim) table resampled to every image's grid.
 
-    def __init__(self, height: int, width: int, dim: int) -> None:
+    Outside of training (no gradient wanted for the table), each grid size's
+    resampled rows are kept in a small LRU cache, so a camera of fixed
+    resolution pays for the resampling once. The cache is tied to the table's
+    storage and version counter: any in-place update, ``load_state_dict`` or
+    ``.to()`` invalidates it.
+    """
+
+    def __init__(self, height: int, width: int, dim: int, cache_patches: int = 32768) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(height, width, dim))
         nn.init.trunc_normal_(self.weight, std=0.02)
+        self.cache_patches = cache_patches
+        self._cache: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+        self._cache_key: tuple | None = None
 
-    def forward(self, taps: torch.Tensor, tap_weights: torch.Tensor) -> torch.Tensor:
-        """(L, dim) position embeddings in the table's dtype.
+    def forward(
+        self, taps: torch.Tensor, tap_weights: torch.Tensor, sizes: Sequence[tuple[int, int]] | None = None
+    ) -> torch.Tensor:
+        """(U, dim) position embeddings in the table's dtype.
+
+        Args:
+            taps, tap_weights: (U, 16) from :func:`bicubic_resample_taps`.
+            sizes: the (h, w) grids whose rasters make up the U rows, in order;
+                enables the cache.
 
         Resampled in float32 (float64 tables stay float64) and rounded once,
         as F.interpolate does for low-precision inputs.
         """
+        if sizes is None or not self._cache_usable():
+            return self._resample(taps, tap_weights)
+        self._check_cache_key()
+        if all(size in self._cache for size in sizes):
+            for size in sizes:
+                self._cache.move_to_end(size)
+            parts = [self._cache[size] for size in sizes]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        # Entries are built outside inference mode, so that later no-grad calls can use them.
+        with torch.inference_mode(False), torch.no_grad():
+            out = self._resample(taps, tap_weights)
+            for size, rows in zip(sizes, out.split([h * w for h, w in sizes])):
+                self._store(size, rows.clone())
+        return out
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+        self._cache_key = None
+
+    def _resample(self, taps: torch.Tensor, tap_weights: torch.Tensor) -> torch.Tensor:
         compute_dtype = torch.promote_types(self.weight.dtype, torch.float32)
         table = self.weight.flatten(0, 1).to(compute_dtype)
         out = F.embedding_bag(taps, table, per_sample_weights=tap_weights.to(compute_dtype), mode="sum")
         return out.to(self.weight.dtype)
+
+    def _cache_usable(self) -> bool:
+        if torch.compiler.is_compiling() or self.cache_patches <= 0:
+            return False
+        return not (torch.is_grad_enabled() and self.weight.requires_grad)
+
+    def _check_cache_key(self) -> None:
+        w = self.weight
+        key = (id(w), w.data_ptr(), w._version, w.dtype, w.device)
+        if key != self._cache_key:
+            self._cache.clear()
+            self._cache_key = key
+
+    def _store(self, size: tuple[int, int], rows: torch.Tensor) -> None:
+        if len(rows) > self.cache_patches:
+            return
+        self._cache[size] = rows
+        while sum(len(r) for r in self._cache.values()) > self.cache_patches:
+            self._cache.popitem(last=False)
+
+    def _apply(self, fn, recurse: bool = True):
+        self.clear_cache()
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        self.clear_cache()
+        super()._load_from_state_dict(*args, **kwargs)

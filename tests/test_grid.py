@@ -76,3 +76,20 @@ def test_equal_grid_sizes_share_one_resampled_position_table():
     alone = build_packed_grid([[4, 2]], CONFIG)
     assert alone.pos_emb_row is None
     assert torch.equal(grid.pos_emb_index[4:], alone.pos_emb_index)
+
+
+def test_repeated_packs_come_from_the_cache():
+    config = preset_config("tiny")
+    first = build_packed_grid([[4, 6], [2, 2]], config)
+    assert build_packed_grid(torch.tensor([[4, 6], [2, 2]]), config) is first
+    assert build_packed_grid([[2, 2], [4, 6]], config) is not first
+    other_theta = build_packed_grid([[4, 6], [2, 2]], preset_config("tiny", rope_theta=100.0))
+    assert other_theta is not first
+    assert not torch.equal(other_theta.rope_rotation, first.rope_rotation)
+
+
+def test_a_grid_built_in_inference_mode_serves_training():
+    config = preset_config("tiny")
+    with torch.inference_mode():
+        grid = build_packed_grid([[6, 4]], config)
+    assert not grid.rope_rotation.is_inference()

@@ -111,6 +111,26 @@ def test_precomputed_grid_gives_the_same_output():
     assert torch.equal(model(pixels, grid=grid).last_hidden_state, model(pixels, grids).last_hidden_state)
 
 
+def test_inference_caches_serve_a_later_training_step():
+    model = tiny_model()
+    pixels, grids = random_pack(MIXED)
+    with torch.inference_mode():
+        cached = model(pixels, grids).last_hidden_state
+    assert model.patch_embed.pos_emb._cache  # filled by the inference call
+    for p in model.parameters():
+        p.requires_grad_(False)  # a frozen encoder inside a trained VLM
+    pixels.requires_grad_(True)
+    out = model(pixels, grids).last_hidden_state
+    torch.testing.assert_close(out, cached, rtol=0, atol=0)
+    out.square().sum().backward()
+    assert pixels.grad is not None and pixels.grad.abs().sum() > 0
+
+    for p in model.parameters():
+        p.requires_grad_(True)  # unfrozen: the table trains, so its cache is bypassed
+    model(pixels, grids).last_hidden_state.sum().backward()
+    assert model.patch_embed.pos_emb.weight.grad.abs().sum() > 0
+
+
 def test_hidden_states_per_block():
     model = tiny_model()
     pixels, grids = random_pack([(2, 2)])

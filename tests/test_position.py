@@ -70,3 +70,56 @@ def test_gradient_reaches_table():
     taps, weights = bicubic_resample_taps(positions, torch.tensor([2, 2]), torch.tensor([2, 2]), 64, 64)
     module(taps, weights).sum().backward()
     assert module.weight.grad is not None and module.weight.grad.abs().sum() > 0
+
+
+def _pack_taps(sizes):
+    rows, cols, heights, widths = [], [], [], []
+    for h, w in sizes:
+        r, c = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        rows.append(r.flatten()), cols.append(c.flatten())
+        heights.append(torch.full((h * w,), h)), widths.append(torch.full((h * w,), w))
+    positions = torch.stack([torch.cat(rows), torch.cat(cols)], dim=-1)
+    return bicubic_resample_taps(positions, torch.cat(heights), torch.cat(widths), 8, 8)
+
+
+def _table(**kwargs) -> LearnablePositionTable:
+    torch.manual_seed(0)
+    return LearnablePositionTable(8, 8, 4, **kwargs)
+
+
+def test_cached_rows_equal_a_fresh_resample_and_follow_weight_updates():
+    module, sizes = _table(), [(3, 5), (2, 2)]
+    taps, weights = _pack_taps(sizes)
+    with torch.no_grad():
+        first = module(taps, weights, sizes)
+        assert set(module._cache) == set(sizes)
+        torch.testing.assert_close(module(taps, weights, sizes), first, rtol=0, atol=0)
+        # a pack reusing one cached size, alone
+        torch.testing.assert_close(module(*_pack_taps([(2, 2)]), [(2, 2)]), first[15:], rtol=0, atol=0)
+
+        module.weight.mul_(2)  # in-place update: version counter changes
+        torch.testing.assert_close(module(taps, weights, sizes), module(taps, weights), rtol=0, atol=0)
+        torch.testing.assert_close(module(taps, weights, sizes), 2 * first, rtol=1e-6, atol=1e-6)
+
+        module.load_state_dict({"weight": torch.zeros(8, 8, 4)})
+        assert module(taps, weights, sizes).abs().max() == 0
+        module.double()
+        assert module(taps, weights, sizes).dtype == torch.float64
+
+
+def test_no_cache_while_the_table_is_trained():
+    module, sizes = _table(), [(3, 5)]
+    taps, weights = _pack_taps(sizes)
+    module(taps, weights, sizes).sum().backward()
+    assert not module._cache
+    assert module.weight.grad is not None and module.weight.grad.abs().sum() > 0
+
+
+def test_cache_stays_within_its_patch_budget():
+    module = _table(cache_patches=20)
+    with torch.no_grad():
+        for size in [(3, 5), (2, 2), (1, 3)]:
+            module(*_pack_taps([size]), [size])
+        assert list(module._cache) == [(2, 2), (1, 3)]  # 15 + 4 + 3 > 20: the oldest went
+        module(*_pack_taps([(5, 5)]), [(5, 5)])  # larger than the budget: not kept
+        assert (5, 5) not in module._cache
