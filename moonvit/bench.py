@@ -121,13 +121,56 @@ def time_interleaved(contenders: dict[str, Callable], pixels, grids, repeats: in
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def memory_scaling(contenders: dict[str, Callable], counts: tuple[int, ...] = (8, 32, 128)) -> list[str]:
+    """Peak memory of packs of 16x16 images: linear in patches when nothing is (L, L)."""
+    lines = [
+        "| pack | patches | " + " | ".join(f"{name} peak MiB" for name in contenders)
+        + " | one (L, L) bf16 score matrix, MiB |",
+        "|---|---|" + "---|" * len(contenders) + "---|",
+    ]
+    print("\n".join(lines))
+    for count in counts:
+        grids = torch.tensor([(16, 16)] * count)
+        pixels = torch.randn(count * 256, 3, 14, 14).to(torch.bfloat16)
+        with torch.inference_mode():
+            for fn in contenders.values():
+                fn(pixels, grids)
+            peaks = [_mib(peak_extra_bytes(lambda: fn(pixels, grids))) for fn in contenders.values()]
+        square = (count * 256) ** 2 * 2 / 2**20
+        lines.append(f"| {count} x 256 | {count * 256} | " + " | ".join(peaks) + f" | {square:.0f} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def profile_shares(fn: Callable, pixels: torch.Tensor, grids: torch.Tensor) -> dict[str, float]:
+    """Share of one forward's operator time: matmuls, attention, everything else."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        fn(pixels, grids)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn(pixels, grids)
+    shares = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    for event in prof.key_averages():
+        if event.key in ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul"):
+            kind = "matmul"
+        elif "scaled_dot_product" in event.key or "flash_attention" in event.key:
+            kind = "attention"
+        else:
+            kind = "other"
+        shares[kind] += event.self_cpu_time_total
+    total = sum(shares.values()) or 1.0
+    return {kind: value / total for kind, value in shares.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m moonvit.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--depth", type=int, default=4, help="blocks to run (MFU is scaled to 27)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp32"])
-    parser.add_argument("--out", type=Path, help="also write the table (markdown) here")
+    parser.add_argument("--out", type=Path, help="also write the tables (markdown) here")
+    parser.add_argument("--no-extras", action="store_true", help="skip the memory-scaling and profile tables")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = preset_config("so400m")
@@ -167,6 +210,22 @@ def main(argv: list[str] | None = None) -> None:
                 f"{ours[1]:.0%} | {peer[1]:.0%} | {ours[2]:.1f} | {fixed['ours_new_grid'] * 1e3:.1f} | "
                 f"{peer[2]:.1f} | {ours[2] / peer[2]:.2f} | {_mib(peak['ours'])} | {_mib(peak['peer'])} |"
             )
+            print(line, flush=True)
+            lines.append(line)
+    if not args.no_extras:
+        ours, peer, _ = build(args.depth, torch.bfloat16)
+        lines += ["", f"Peak memory a bf16 forward adds (depth {args.depth}), packs of 16x16 images:", ""]
+        print("\n".join(lines[-3:]))
+        lines += memory_scaling({"ours": ours, "peer": peer})
+        header = ["", "Where this encoder's bf16 time goes (operator self time, one forward):", ""]
+        header += ["| pack | matmul | attention (SDPA) | other |", "|---|---|---|---|"]
+        print("\n".join(header))
+        lines += header
+        for pack_name, grid_list in PACKS.items():
+            grids = torch.tensor(grid_list)
+            pixels = torch.randn(int((grids[:, 0] * grids[:, 1]).sum()), 3, 14, 14).to(torch.bfloat16)
+            share = profile_shares(ours, pixels, grids)
+            line = f"| {pack_name} | {share['matmul']:.0%} | {share['attention']:.0%} | {share['other']:.0%} |"
             print(line, flush=True)
             lines.append(line)
     if args.out:

@@ -34,11 +34,17 @@ def rope_rotation(positions: torch.Tensor, head_dim: int, theta: float) -> torch
     return torch.polar(torch.ones_like(angles), angles)
 
 
+# Rows are rotated in chunks whose float32 copy stays under this many bytes:
+# small temporaries are recycled by the allocator, where large ones are fresh
+# pages from the OS each call, which costs as much as the arithmetic.
+CHUNK_BYTES = 8 * 2**20
+
+
 def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """Rotate q and/or k.
+    """Rotate q or k.
 
     Args:
-        x: (L, ..., head_dim) in any float dtype, e.g. q and k together as (L, 2, heads, head_dim).
+        x: (L, ..., head_dim) in any float dtype, e.g. q as (L, heads, head_dim).
         rotation: (L, head_dim // 2) from :func:`rope_rotation`.
 
     Returns:
@@ -46,6 +52,13 @@ def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
         multiply does in one pass what the real form does in six.
     """
     compute_dtype = torch.promote_types(x.dtype, torch.float32)
+    rows = max(1, CHUNK_BYTES // max(1, x[0].numel() * compute_dtype.itemsize)) if len(x) else 1
+    if len(x) <= rows:
+        return _rotate(x, rotation, compute_dtype)
+    return torch.cat([_rotate(xs, rs, compute_dtype) for xs, rs in zip(x.split(rows), rotation.split(rows))])
+
+
+def _rotate(x: torch.Tensor, rotation: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
     pairs = torch.view_as_complex(x.to(compute_dtype).unflatten(-1, (-1, 2)))
     rotation = rotation.to(pairs.dtype).view(rotation.shape[0], *([1] * (x.ndim - 2)), -1)
     return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)

@@ -8,6 +8,8 @@ from helpers import random_pack, tiny_model
 from reference import reference_forward
 
 import moonvit.attention as attention
+import moonvit.blocks as blocks
+import moonvit.rope as rope
 from moonvit import MoonViT, preset_config
 
 MIXED = [(2, 2), (6, 10), (4, 4), (66, 4), (2, 68), (4, 4)]
@@ -129,6 +131,22 @@ def test_inference_caches_serve_a_later_training_step():
         p.requires_grad_(True)  # unfrozen: the table trains, so its cache is bypassed
     model(pixels, grids).last_hidden_state.sum().backward()
     assert model.patch_embed.pos_emb.weight.grad.abs().sum() > 0
+
+
+def test_row_chunked_mlp_and_rope_match_one_pass(monkeypatch):
+    model = tiny_model(dtype=torch.float64)  # float64: the chunks' matmul blocking cannot show
+    pixels, grids = random_pack(MIXED, dtype=torch.float64)
+    expected = model(pixels, grids).last_hidden_state
+    expected.sum().backward()
+    expected_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    monkeypatch.setattr(blocks, "MLP_CHUNK_BYTES", 7 * model.config.intermediate_size * 8)  # 7 rows
+    monkeypatch.setattr(rope, "CHUNK_BYTES", 5 * model.config.hidden_size * 8)  # 5 rows
+    out = model(pixels, grids).last_hidden_state
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    out.sum().backward()
+    for p, grad in zip(model.parameters(), expected_grads):
+        torch.testing.assert_close(p.grad, grad, rtol=1e-10, atol=1e-12)
 
 
 def test_hidden_states_per_block():
