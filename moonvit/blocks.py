@@ -21,7 +21,7 @@ MLP_CHUNK_BYTES = 16 * 2**20
 
 
 class MLP(nn.Module):
-    """fc1(gelu_tanh(fc0(x))), row by row, so computed over chunks of rows."""
+    """fc1(gelu_tanh(fc0(x))); rows are independent, so large packs run in chunks of rows."""
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
