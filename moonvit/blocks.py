@@ -14,9 +14,10 @@ from .attention import ATTENTION_FUNCTIONS
 from .grid import PackedGrid
 from .rope import apply_rope
 
-# The MLP runs over row chunks whose (rows, hidden) activation stays under this
-# many bytes: the allocator recycles small buffers, while large ones are fresh
-# pages from the OS each call, which costs 10-20% of a block on a CPU.
+# On CPU the MLP runs over row chunks whose (rows, hidden) activation stays
+# under this many bytes: glibc recycles small buffers, while large ones are
+# fresh pages from the OS each call, which costs 10-20% of a block. (CUDA's
+# caching allocator has no such cliff; there one large matmul is best.)
 MLP_CHUNK_BYTES = 16 * 2**20
 
 
@@ -30,7 +31,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = max(1, MLP_CHUNK_BYTES // (self.fc0.out_features * x.element_size()))
-        if len(x) <= rows:
+        if x.device.type != "cpu" or len(x) <= rows:
             return self._mlp(x)
         return torch.cat([self._mlp(chunk) for chunk in x.split(rows)])
 

@@ -34,9 +34,9 @@ def rope_rotation(positions: torch.Tensor, head_dim: int, theta: float) -> torch
     return torch.polar(torch.ones_like(angles), angles)
 
 
-# Rows are rotated in chunks whose float32 copy stays under this many bytes:
-# small temporaries are recycled by the allocator, where large ones are fresh
-# pages from the OS each call, which costs as much as the arithmetic.
+# On CPU rows are rotated in chunks whose float32 copy stays under this many
+# bytes: glibc recycles small temporaries, where large ones are fresh pages
+# from the OS each call, which costs as much as the arithmetic.
 CHUNK_BYTES = 8 * 2**20
 
 
@@ -52,8 +52,9 @@ def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
         multiply does in one pass what the real form does in six.
     """
     compute_dtype = torch.promote_types(x.dtype, torch.float32)
-    rows = max(1, CHUNK_BYTES // max(1, x[0].numel() * compute_dtype.itemsize)) if len(x) else 1
-    if len(x) <= rows:
+    row_bytes = x[0].numel() * compute_dtype.itemsize if len(x) else 1
+    rows = max(1, CHUNK_BYTES // row_bytes)
+    if x.device.type != "cpu" or len(x) <= rows:
         return _rotate(x, rotation, compute_dtype)
     return torch.cat([_rotate(xs, rs, compute_dtype) for xs, rs in zip(x.split(rows), rotation.split(rows))])
 
