@@ -54,12 +54,7 @@ class Block(nn.Module):
     def attention(self, x: torch.Tensor, grid: PackedGrid, attn_implementation: str) -> torch.Tensor:
         """Multi-head self-attention within each image of the pack, (L, D) -> (L, D)."""
         # wqkv's output is laid out [q | k | v], each (heads, head_dim).
-        # Three matmuls instead of one keep each output a third of the size
-        # (under the allocator's reuse threshold for packs of ~8k patches).
-        q, k, v = (
-            F.linear(x, weight, bias).unflatten(-1, (self.num_heads, -1))
-            for weight, bias in zip(self.wqkv.weight.chunk(3), self.wqkv.bias.chunk(3))
-        )
+        q, k, v = self.wqkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(1)
         q, k = apply_rope(q, grid.rope_rotation), apply_rope(k, grid.rope_rotation)
         out = ATTENTION_FUNCTIONS[attn_implementation](q, k, v, grid)
         return self.wo(out.flatten(1))

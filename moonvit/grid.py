@@ -58,10 +58,11 @@ class PackedGrid:
         pos_emb_weight: (U, 16) float64, the weights of those taps.
         pos_emb_row: (L,) int64, each patch's row among those U, or None when every
             image has its own grid size (U = L, rows in order).
-        pos_emb_sizes: the (h, w) grid sizes whose rasters make up the U rows, in order.
         merge_index: (L,) int64, packed row of each merged slot: ``x[merge_index]``
             viewed as (L / 4, 4, D) is the 2x2 patch merger's output.
         attention_groups: images grouped by sequence length for batched attention.
+        pos_emb_sizes: the (h, w) grid sizes whose rasters make up the U rows, in
+            order (lets the model cache each size's resampled table).
     """
 
     grid_hws: torch.Tensor
@@ -73,9 +74,9 @@ class PackedGrid:
     pos_emb_index: torch.Tensor
     pos_emb_weight: torch.Tensor
     pos_emb_row: torch.Tensor | None
-    pos_emb_sizes: tuple[tuple[int, int], ...]
     merge_index: torch.Tensor
     attention_groups: tuple[AttentionGroup, ...]
+    pos_emb_sizes: tuple[tuple[int, int], ...] | None = None
 
     @property
     def num_images(self) -> int:
@@ -171,7 +172,9 @@ def build_packed_grid(
 ) -> PackedGrid:
     """Validate ``grid_hws`` (N, 2) and compute the pack's metadata on ``device``.
 
-    Repeated packs come from a small cache; the returned tensors are shared, read-only.
+    Packs of up to ``CACHED_PACK_PATCHES`` come from an LRU cache of 16, so their
+    tensors are shared: treat them as read-only. They are normal tensors even
+    when built under ``torch.inference_mode``, so a training step can use them.
     """
     grids = tuple(validate_grid_hws(grid_hws, config))
     geometry = (
@@ -184,7 +187,8 @@ def build_packed_grid(
     device = None if device is None else torch.device(device)
     if sum(h * w for h, w in grids) <= CACHED_PACK_PATCHES:
         return _cached_grid(grids, geometry, device)
-    return _build(grids, geometry, device)
+    with torch.inference_mode(False):
+        return _build(grids, geometry, device)
 
 
 def clear_grid_cache() -> None:

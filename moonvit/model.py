@@ -147,6 +147,19 @@ class MoonViT(nn.Module):
     def gradient_checkpointing_disable(self) -> None:
         self.encoder.gradient_checkpointing = False
 
+    def set_position_cache(self, max_patches: int = 32768) -> None:
+        """Cache each grid size's resampled position table, up to ``max_patches`` rows (0: off, the default).
+
+        For inference with fixed weights, e.g. a camera of fixed resolution: it
+        saves the per-call resampling. The cache is bypassed while the table
+        trains and dropped by ``load_state_dict`` and ``.to()``; after changing
+        weights through ``.data`` or a fused optimizer, call :meth:`clear_caches`.
+        """
+        if max_patches < 0:
+            raise ValueError(f"max_patches must be >= 0, got {max_patches}")
+        self.patch_embed.pos_emb.clear_cache()
+        self.patch_embed.pos_emb.cache_patches = max_patches
+
     def clear_caches(self) -> None:
         """Forget cached pack metadata and resampled position tables (they rebuild on demand)."""
         clear_grid_cache()

@@ -9,6 +9,7 @@ instead of a per-image loop.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Sequence
 
@@ -75,20 +76,23 @@ def bicubic_resample_taps(
 class LearnablePositionTable(nn.Module):
     """A learnable (height, width, dim) table resampled to every image's grid.
 
-    Outside of training (no gradient wanted for the table), each grid size's
-    resampled rows are kept in a small LRU cache, so a camera of fixed
-    resolution pays for the resampling once. The cache is tied to the table's
-    storage and version counter: any in-place update, ``load_state_dict`` or
-    ``.to()`` invalidates it.
+    Optionally (``cache_patches > 0``, off by default) each grid size's
+    resampled rows are kept in an LRU cache of at most that many rows, so a
+    camera of fixed resolution pays for the resampling once. It is meant for
+    inference with fixed weights: it is bypassed while the table is trained and
+    dropped by ``load_state_dict``, ``.to()`` and in-place updates that bump
+    the version counter, but weights changed through ``.data`` or by a fused
+    optimizer step go unseen; call :meth:`clear_cache` after those.
     """
 
-    def __init__(self, height: int, width: int, dim: int, cache_patches: int = 32768) -> None:
+    def __init__(self, height: int, width: int, dim: int, cache_patches: int = 0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(height, width, dim))
         nn.init.trunc_normal_(self.weight, std=0.02)
         self.cache_patches = cache_patches
         self._cache: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
         self._cache_key: tuple | None = None
+        self._lock = threading.Lock()
 
     def forward(
         self, taps: torch.Tensor, tap_weights: torch.Tensor, sizes: Sequence[tuple[int, int]] | None = None
@@ -98,29 +102,37 @@ class LearnablePositionTable(nn.Module):
         Args:
             taps, tap_weights: (U, 16) from :func:`bicubic_resample_taps`.
             sizes: the (h, w) grids whose rasters make up the U rows, in order;
-                enables the cache.
+                needed for the cache.
 
         Resampled in float32 (float64 tables stay float64) and rounded once,
         as F.interpolate does for low-precision inputs.
         """
-        if sizes is None or not self._cache_usable():
+        key = self._cache_key_now(sizes)
+        if key is None:
             return self._resample(taps, tap_weights)
-        self._check_cache_key()
-        if all(size in self._cache for size in sizes):
-            for size in sizes:
-                self._cache.move_to_end(size)
-            parts = [self._cache[size] for size in sizes]
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        with self._lock:
+            if key != self._cache_key:
+                self._cache.clear()
+                self._cache_key = key
+            parts = [self._cache.get(size) for size in sizes]
+            if all(part is not None for part in parts):
+                for size in sizes:
+                    self._cache.move_to_end(size)
+                return parts[0] if len(parts) == 1 else torch.cat(parts)
         # Entries are built outside inference mode, so that later no-grad calls can use them.
         with torch.inference_mode(False), torch.no_grad():
             out = self._resample(taps, tap_weights)
-            for size, rows in zip(sizes, out.split([h * w for h, w in sizes])):
-                self._store(size, rows.clone())
+            if sum(h * w for h, w in sizes) <= self.cache_patches:
+                rows = [r.clone() for r in out.split([h * w for h, w in sizes])]
+                with self._lock:
+                    if key == self._cache_key:
+                        self._store(dict(zip(sizes, rows)))
         return out
 
     def clear_cache(self) -> None:
-        self._cache.clear()
-        self._cache_key = None
+        with self._lock:
+            self._cache.clear()
+            self._cache_key = None
 
     def _resample(self, taps: torch.Tensor, tap_weights: torch.Tensor) -> torch.Tensor:
         compute_dtype = torch.promote_types(self.weight.dtype, torch.float32)
@@ -128,24 +140,35 @@ class LearnablePositionTable(nn.Module):
         out = F.embedding_bag(taps, table, per_sample_weights=tap_weights.to(compute_dtype), mode="sum")
         return out.to(self.weight.dtype)
 
-    def _cache_usable(self) -> bool:
-        if torch.compiler.is_compiling() or self.cache_patches <= 0:
-            return False
-        return not (torch.is_grad_enabled() and self.weight.requires_grad)
-
-    def _check_cache_key(self) -> None:
+    def _cache_key_now(self, sizes: Sequence[tuple[int, int]] | None) -> tuple | None:
+        """The weight's identity now, or None when the cache must not be used for this call."""
         w = self.weight
-        key = (id(w), w.data_ptr(), w._version, w.dtype, w.device)
-        if key != self._cache_key:
-            self._cache.clear()
-            self._cache_key = key
+        if not sizes or self.cache_patches <= 0 or torch.compiler.is_compiling():
+            return None
+        if (torch.is_grad_enabled() and w.requires_grad) or w.is_inference():
+            return None
+        try:
+            return (id(w), w.data_ptr(), w._version, w.dtype, w.device)
+        except RuntimeError:  # functorch-wrapped or storage-less weights
+            return None
 
-    def _store(self, size: tuple[int, int], rows: torch.Tensor) -> None:
-        if len(rows) > self.cache_patches:
-            return
-        self._cache[size] = rows
+    def _store(self, entries: dict[tuple[int, int], torch.Tensor]) -> None:
+        """Insert one pack's sizes, evicting the least recently used others to make room."""
+        self._cache.update(entries)
+        for size in entries:
+            self._cache.move_to_end(size)
         while sum(len(r) for r in self._cache.values()) > self.cache_patches:
             self._cache.popitem(last=False)
+
+    def __getstate__(self) -> dict:  # copies and pickles carry no cache (and no lock)
+        state = dict(self.__dict__)
+        state.update(_cache=OrderedDict(), _cache_key=None)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._lock = threading.Lock()
 
     def _apply(self, fn, recurse: bool = True):
         self.clear_cache()

@@ -115,6 +115,7 @@ def test_precomputed_grid_gives_the_same_output():
 
 def test_inference_caches_serve_a_later_training_step():
     model = tiny_model()
+    model.set_position_cache()
     pixels, grids = random_pack(MIXED)
     with torch.inference_mode():
         cached = model(pixels, grids).last_hidden_state
@@ -147,6 +148,17 @@ def test_row_chunked_mlp_and_rope_match_one_pass(monkeypatch):
     out.sum().backward()
     for p, grad in zip(model.parameters(), expected_grads):
         torch.testing.assert_close(p.grad, grad, rtol=1e-10, atol=1e-12)
+
+
+def test_projections_run_through_their_modules():
+    # LoRA wrappers, quantisation and pruning replace or hook these modules.
+    model = tiny_model()
+    calls = []
+    for block in model.encoder.blocks:
+        for module in (block.wqkv, block.wo, block.mlp.fc0, block.mlp.fc1):
+            module.register_forward_hook(lambda *args: calls.append(1))
+    model(*random_pack([(2, 2)]))
+    assert len(calls) == 4 * model.config.num_hidden_layers
 
 
 def test_hidden_states_per_block():

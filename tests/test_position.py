@@ -82,9 +82,9 @@ def _pack_taps(sizes):
     return bicubic_resample_taps(positions, torch.cat(heights), torch.cat(widths), 8, 8)
 
 
-def _table(**kwargs) -> LearnablePositionTable:
+def _table(cache_patches: int = 1000) -> LearnablePositionTable:
     torch.manual_seed(0)
-    return LearnablePositionTable(8, 8, 4, **kwargs)
+    return LearnablePositionTable(8, 8, 4, cache_patches=cache_patches)
 
 
 def test_cached_rows_equal_a_fresh_resample_and_follow_weight_updates():
@@ -121,5 +121,34 @@ def test_cache_stays_within_its_patch_budget():
         for size in [(3, 5), (2, 2), (1, 3)]:
             module(*_pack_taps([size]), [size])
         assert list(module._cache) == [(2, 2), (1, 3)]  # 15 + 4 + 3 > 20: the oldest went
-        module(*_pack_taps([(5, 5)]), [(5, 5)])  # larger than the budget: not kept
-        assert (5, 5) not in module._cache
+        module(*_pack_taps([(5, 5)]), [(5, 5)])  # larger than the budget: not kept, nothing evicted
+        module(*_pack_taps([(3, 4), (3, 3)]), [(3, 4), (3, 3)])  # together over the budget: same
+        assert list(module._cache) == [(2, 2), (1, 3)]
+
+
+def test_cache_is_off_by_default_and_skipped_where_it_cannot_be_keyed():
+    taps, weights = _pack_taps([(3, 5)])
+    default = LearnablePositionTable(8, 8, 4)
+    with torch.no_grad():
+        default(taps, weights, [(3, 5)])
+    assert not default._cache
+
+    with torch.inference_mode():  # a table created in inference mode has no version counter
+        module = _table()
+        module.load_state_dict({"weight": torch.randn(8, 8, 4)}, assign=True)
+        torch.testing.assert_close(module(taps, weights, [(3, 5)]), module(taps, weights))
+    assert not module._cache
+
+
+def test_copies_carry_no_cache():
+    import copy
+    import pickle
+
+    module = _table()
+    with torch.no_grad():
+        module(*_pack_taps([(3, 5)]), [(3, 5)])
+    for clone in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
+        assert not clone._cache and clone.cache_patches == module.cache_patches
+        with torch.no_grad():
+            clone(*_pack_taps([(3, 5)]), [(3, 5)])
+        assert list(clone._cache) == [(3, 5)]
