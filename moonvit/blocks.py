@@ -11,13 +11,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import ATTENTION_FUNCTIONS
+from .chunking import map_row_chunks
 from .grid import PackedGrid
 from .rope import apply_rope
 
-# On CPU the MLP runs over row chunks whose (rows, hidden) activation stays
-# under this many bytes: glibc recycles small buffers, while large ones are
-# fresh pages from the OS each call, which costs 10-20% of a block. (CUDA's
-# caching allocator has no such cliff; there one large matmul is best.)
+# The MLP runs over row chunks whose (rows, hidden) activation stays under
+# this many bytes (see moonvit.chunking).
 MLP_CHUNK_BYTES = 16 * 2**20
 
 
@@ -30,10 +29,8 @@ class MLP(nn.Module):
         self.fc1 = nn.Linear(hidden_dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = max(1, MLP_CHUNK_BYTES // (self.fc0.out_features * x.element_size()))
-        if x.device.type != "cpu" or len(x) <= rows:
-            return self._mlp(x)
-        return torch.cat([self._mlp(chunk) for chunk in x.split(rows)])
+        row_bytes = self.fc0.out_features * x.element_size()
+        return map_row_chunks(self._mlp, x, row_bytes=row_bytes, budget=MLP_CHUNK_BYTES)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc1(F.gelu(self.fc0(x), approximate="tanh"))

@@ -187,8 +187,7 @@ def build_packed_grid(
     device = None if device is None else torch.device(device)
     if sum(h * w for h, w in grids) <= CACHED_PACK_PATCHES:
         return _cached_grid(grids, geometry, device)
-    with torch.inference_mode(False):
-        return _build(grids, geometry, device)
+    return _build(grids, geometry, device)
 
 
 def clear_grid_cache() -> None:
@@ -197,11 +196,11 @@ def clear_grid_cache() -> None:
 
 @functools.lru_cache(maxsize=16)
 def _cached_grid(grids: tuple[tuple[int, int], ...], geometry: tuple, device: torch.device | None) -> PackedGrid:
-    # Built as normal tensors even inside inference mode, so that a later training step can use them.
-    with torch.inference_mode(False):
-        return _build(grids, geometry, device)
+    return _build(grids, geometry, device)
 
 
+# Normal tensors even inside inference mode, so that a later training step can use them.
+@torch.inference_mode(False)
 def _build(grids: tuple[tuple[int, int], ...], geometry: tuple, device: torch.device | None) -> PackedGrid:
     head_dim, rope_theta, table_height, table_width, (kh, kw) = geometry
     hw = torch.tensor(grids, dtype=torch.int64)

@@ -122,7 +122,7 @@ class LearnablePositionTable(nn.Module):
         # Entries are built outside inference mode, so that later no-grad calls can use them.
         with torch.inference_mode(False), torch.no_grad():
             out = self._resample(taps, tap_weights)
-            if sum(h * w for h, w in sizes) <= self.cache_patches:
+            if len(out) <= self.cache_patches:
                 rows = [r.clone() for r in out.split([h * w for h, w in sizes])]
                 with self._lock:
                     if key == self._cache_key:

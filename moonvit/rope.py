@@ -9,7 +9,11 @@ as the released weights were trained (an upstream docstring says otherwise).
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from .chunking import map_row_chunks
 
 
 def rope_frequencies(head_dim: int, theta: float) -> torch.Tensor:
@@ -34,9 +38,8 @@ def rope_rotation(positions: torch.Tensor, head_dim: int, theta: float) -> torch
     return torch.polar(torch.ones_like(angles), angles)
 
 
-# On CPU rows are rotated in chunks whose float32 copy stays under this many
-# bytes: glibc recycles small temporaries, where large ones are fresh pages
-# from the OS each call, which costs as much as the arithmetic.
+# Rows are rotated in chunks whose float32 copy stays under this many bytes
+# (see moonvit.chunking).
 CHUNK_BYTES = 8 * 2**20
 
 
@@ -52,11 +55,10 @@ def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
         multiply does in one pass what the real form does in six.
     """
     compute_dtype = torch.promote_types(x.dtype, torch.float32)
-    row_bytes = x[0].numel() * compute_dtype.itemsize if len(x) else 1
-    rows = max(1, CHUNK_BYTES // row_bytes)
-    if x.device.type != "cpu" or len(x) <= rows:
-        return _rotate(x, rotation, compute_dtype)
-    return torch.cat([_rotate(xs, rs, compute_dtype) for xs, rs in zip(x.split(rows), rotation.split(rows))])
+    row_bytes = math.prod(x.shape[1:]) * compute_dtype.itemsize
+    return map_row_chunks(
+        lambda xs, rs: _rotate(xs, rs, compute_dtype), x, rotation, row_bytes=row_bytes, budget=CHUNK_BYTES
+    )
 
 
 def _rotate(x: torch.Tensor, rotation: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
