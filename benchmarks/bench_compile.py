@@ -2,7 +2,7 @@
 
     python benchmarks/bench_compile.py --depth 4 --threads 2
 
-For each pack of ``moonvit.bench`` (bf16, real width), prints the compile time
+For each pack of ``bench_cpu.py`` (bf16, real width), prints the compile time
 of ``torch.compile(model, fullgraph=True, dynamic=False)`` with a precomputed
 grid, the median eager and compiled forward times (runs interleaved), their
 ratio, and how many forwards it takes for the compile time to pay back.
@@ -15,10 +15,9 @@ import statistics
 import time
 
 import torch
+from common import PACKS
 
-from moonvit.bench import PACKS
-from moonvit.config import preset_config
-from moonvit.model import MoonViT
+from moonvit import MoonViT, preset_config
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -67,10 +67,24 @@ def main() -> None:
         checkpoint = build_checkpoint(root / "ckpt", args.preset, args.llm_hidden, args.in_token_limit)
         write_images(root / "images", args.images)
         command = [
-            "--inputs", str(root / "images"), "--checkpoint", str(checkpoint), "--out", str(root / "out"),
-            "--store", args.store, "--dtype", args.dtype, "--shard-size", str(args.shard_size),
-            "--max-patches-per-pack", str(args.max_patches_per_pack), "--device", "cpu",
-            "--threads", str(torch.get_num_threads()),
+            "--inputs",
+            str(root / "images"),
+            "--checkpoint",
+            str(checkpoint),
+            "--out",
+            str(root / "out"),
+            "--store",
+            args.store,
+            "--dtype",
+            args.dtype,
+            "--shard-size",
+            str(args.shard_size),
+            "--max-patches-per-pack",
+            str(args.max_patches_per_pack),
+            "--device",
+            "cpu",
+            "--threads",
+            str(torch.get_num_threads()),
         ]
         start = time.perf_counter()
         summary = export_main(command)
@@ -88,8 +102,10 @@ def main() -> None:
         f"  encode loop: {summary['images_per_s']:.1f} images/s, {summary['tokens_per_s']:.0f} tokens/s "
         f"({summary['tokens_this_run']} tokens in {summary['seconds']:.2f} s)"
     )
-    print(f"  whole command (load, plan, encode, write, assemble): {wall:.2f} s, "
-          f"{summary['images'] / wall:.1f} images/s; shards {shard_bytes / 2**20:.1f} MiB")
+    print(
+        f"  whole command (load, plan, encode, write, assemble): {wall:.2f} s, "
+        f"{summary['images'] / wall:.1f} images/s; shards {shard_bytes / 2**20:.1f} MiB"
+    )
     print(f"  rerun of the finished export: {rerun:.2f} s")
 
 

@@ -52,11 +52,14 @@ def best_of(repeats: int, run: Callable[[], Any]) -> tuple[float, list[float], A
 
 
 def time_probe(name: str, train_x, train_y, test_x, test_y, config: ProbeConfig, repeats: int) -> None:
-    fastest, seconds, result = best_of(repeats, lambda: run_probe(train_x, train_y, test_x, int(train_y.max()) + 1,
-                                                                  config))
+    fastest, seconds, result = best_of(
+        repeats, lambda: run_probe(train_x, train_y, test_x, int(train_y.max()) + 1, config)
+    )
     top1 = classification_metrics(result.test_logits, test_y)["top1"]
-    print(f"{name}: {tuple(train_x.shape)} train, {len(config.grid())} heads, {config.epochs} epochs: best "
-          f"{fastest:.1f} s of {_list(seconds)} (test top-1 {top1:.4f}, chosen {result.chosen})")
+    print(
+        f"{name}: {tuple(train_x.shape)} train, {len(config.grid())} heads, {config.epochs} epochs: best "
+        f"{fastest:.1f} s of {_list(seconds)} (test top-1 {top1:.4f}, chosen {result.chosen})"
+    )
 
 
 def _list(seconds: list[float]) -> str:
@@ -67,33 +70,52 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dim", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the fastest is reported "
-                        "(shared machines are noisy)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs per figure; the fastest is reported (shared machines are noisy)"
+    )
     parser.add_argument("--skip-digits", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore", UserWarning)  # grid-edge notes of the synthetic features
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     config = ProbeConfig()
-    time_probe(f"random features, dim {args.dim}", *synthetic_features(60000, 10000, args.dim, 10), config,
-               args.repeats)
+    time_probe(
+        f"random features, dim {args.dim}", *synthetic_features(60000, 10000, args.dim, 10), config, args.repeats
+    )
     if DEFAULT_FASHION_MNIST_DIR.is_dir():
         dataset = load_dataset("fashion-mnist")
-        time_probe("fashion-mnist raw pixels", pixel_features(dataset.train.images),
-                   torch.from_numpy(dataset.train.labels), pixel_features(dataset.test.images),
-                   torch.from_numpy(dataset.test.labels), config, args.repeats)
+        time_probe(
+            "fashion-mnist raw pixels",
+            pixel_features(dataset.train.images),
+            torch.from_numpy(dataset.train.labels),
+            pixel_features(dataset.test.images),
+            torch.from_numpy(dataset.test.labels),
+            config,
+            args.repeats,
+        )
     if not args.skip_digits:
         fastest, seconds, results = best_of(args.repeats, lambda: digits_end_to_end(args.threads))
         rows = ", ".join(f"{run['features']} {run['test']['top1']:.4f}" for run in results["runs"])
-        print(f"digits end to end (tiny random-init encoder + pixels baseline, empty cache): best {fastest:.1f} s "
-              f"of {_list(seconds)} ({rows})")
+        print(
+            f"digits end to end (tiny random-init encoder + pixels baseline, empty cache): best {fastest:.1f} s "
+            f"of {_list(seconds)} ({rows})"
+        )
 
 
 def digits_end_to_end(threads: int) -> dict[str, Any]:
     """The CLI on digits with a fresh output folder and feature cache; its results."""
     with tempfile.TemporaryDirectory() as folder:
-        argv = ["--preset", "tiny", "--random-init", "--dataset", "digits", "--out", f"{folder}/out",
-                "--threads", str(threads)]
+        argv = [
+            "--preset",
+            "tiny",
+            "--random-init",
+            "--dataset",
+            "digits",
+            "--out",
+            f"{folder}/out",
+            "--threads",
+            str(threads),
+        ]
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             return linear_probe(argv)
 

@@ -32,9 +32,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from moonvit.model import MoonViT
-from moonvit.packing import encode_images, iter_encode_images, pack_images
-from moonvit.processor import ImageInput, MoonViTImageProcessor
+from moonvit import MoonViT, MoonViTImageProcessor, encode_images, iter_encode_images, pack_images
+from moonvit.media.image import ImageInput
 
 # (width, height): thumbnails to a 12 MP photo (resized to the budget) and a long strip
 SIZES = [(64, 48), (224, 224), (640, 480), (1280, 720), (1920, 1080), (4000, 3000), (6000, 300)]
@@ -76,8 +75,10 @@ def bench_processor(processor: MoonViTImageProcessor, count: int, folder: Path) 
         patches += processor(image).pixel_values.shape[0]
         seconds[size] += time.perf_counter() - start
     elapsed = sum(seconds.values())
-    print(f"processor: {count} mixed images in {elapsed:.2f} s: {count / elapsed:.1f} images/s, "
-          f"{patches / elapsed / 1e3:.1f} k patches/s (kinds: {', '.join(KINDS)})")
+    print(
+        f"processor: {count} mixed images in {elapsed:.2f} s: {count / elapsed:.1f} images/s, "
+        f"{patches / elapsed / 1e3:.1f} k patches/s (kinds: {', '.join(KINDS)})"
+    )
     for size, total in seconds.items():
         grid = processor.plan_image(*size).grid_hw
         per_image = total / sizes.count(size)
@@ -92,7 +93,18 @@ def small_images(count: int, seed: int) -> Iterator[np.ndarray]:
         yield rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
 
 
-_MALLINFO2_FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+_MALLINFO2_FIELDS = [
+    "arena",
+    "ordblks",
+    "smblks",
+    "hblks",
+    "hblkhd",
+    "usmblks",
+    "fsmblks",
+    "uordblks",
+    "fordblks",
+    "keepcost",
+]
 
 
 class _MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2: ten size_t counters
@@ -138,23 +150,30 @@ def bench_encode(processor: MoonViTImageProcessor, preset: str, count: int, budg
     encode_images(encoder, processor, small_images(8, seed=1), max_patches_per_pack=budget)  # warm-up
     packs = list(pack_images(small_images(count, seed=0), processor, budget))
     patches = sum(pack.num_patches for pack in packs)
-    print(f"encode_images: {count} images of 20-224 px, {patches} patches in {len(packs)} packs of "
-          f"<= {budget} patches, preset {preset!r} (hidden {encoder.config.hidden_size})")
+    print(
+        f"encode_images: {count} images of 20-224 px, {patches} patches in {len(packs)} packs of "
+        f"<= {budget} patches, preset {preset!r} (hidden {encoder.config.hidden_size})"
+    )
 
     def drain(n: int) -> int:
-        return sum(1 for _ in iter_encode_images(encoder, processor, small_images(n, seed=0),
-                                                 max_patches_per_pack=budget))
+        return sum(
+            1 for _ in iter_encode_images(encoder, processor, small_images(n, seed=0), max_patches_per_pack=budget)
+        )
 
     for n in (count // 4, count):
         _, growth, elapsed = peak_heap_growth(lambda: drain(n))
-        print(f"  iter_encode_images, {n:5d} images, results dropped: peak live heap +{growth / 2**20:6.1f} MiB, "
-              f"{elapsed:5.2f} s, {n / elapsed:.0f} images/s")
+        print(
+            f"  iter_encode_images, {n:5d} images, results dropped: peak live heap +{growth / 2**20:6.1f} MiB, "
+            f"{elapsed:5.2f} s, {n / elapsed:.0f} images/s"
+        )
     tokens, growth, elapsed = peak_heap_growth(
         lambda: encode_images(encoder, processor, small_images(count, seed=0), max_patches_per_pack=budget)
     )
     held = sum(t.numel() * t.element_size() for t in tokens)
-    print(f"  encode_images,      {count:5d} images, results kept:    peak live heap +{growth / 2**20:6.1f} MiB, "
-          f"{elapsed:5.2f} s; the results themselves are {held / 2**20:.1f} MiB")
+    print(
+        f"  encode_images,      {count:5d} images, results kept:    peak live heap +{growth / 2**20:6.1f} MiB, "
+        f"{elapsed:5.2f} s; the results themselves are {held / 2**20:.1f} MiB"
+    )
     pixel_bytes = budget * 3 * processor.patch_size**2 * 4
     print(f"  for scale: one full pack's float32 pixel_values is {pixel_bytes / 2**20:.1f} MiB")
 

@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 import torch
+from common import matmul_peak, model_flops
 
 from moonvit import MoonViT
-from moonvit.attention import flash_attn_installed
-from moonvit.bench import model_flops
+from moonvit.model.attention import flash_attn_installed
 
 PACKS = {
     "448x448": [(32, 32)],
@@ -51,14 +51,6 @@ def timed(fn, device: torch.device, repeats: int = 3) -> tuple[object, float]:
     return out, (time.perf_counter() - start) / repeats
 
 
-def device_matmul_peak(device: torch.device, n: int = 8192) -> float:
-    """Best bf16 FLOP/s of an n^3 matmul on ``device``."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    _, seconds = timed(lambda: a @ b, device, repeats=10)
-    return 2 * n**3 / seconds
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="so400m")
@@ -82,7 +74,8 @@ def main() -> None:
         "flash_attn_installed": flash_attn_installed(),
         "preset": args.preset,
         "depth": model.config.num_hidden_layers,
-        "bf16_matmul_peak_tflops": device_matmul_peak(device, 8192 if device.type == "cuda" else 2048) / 1e12,
+        "bf16_matmul_peak_tflops": matmul_peak(torch.bfloat16, 8192 if device.type == "cuda" else 2048, 10, device)
+        / 1e12,
         "results": [],
     }
     print(json.dumps({k: v for k, v in report.items() if k != "results"}))
@@ -112,8 +105,11 @@ def main() -> None:
                 "rel_error_vs_cpu_fp32": relative_error(out, reference),
                 "ms_per_call": seconds * 1e3,
                 "patches_per_s": patches / seconds,
-                "mfu": model_flops(grids, model.config.hidden_size, model.config.intermediate_size,
-                                   model.config.num_hidden_layers) / seconds / (report["bf16_matmul_peak_tflops"] * 1e12),
+                "mfu": model_flops(
+                    grids, model.config.hidden_size, model.config.intermediate_size, model.config.num_hidden_layers
+                )
+                / seconds
+                / (report["bf16_matmul_peak_tflops"] * 1e12),
                 "peak_mib": peak,
                 "backward_finite": grad_ok,
             }

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moonvit.media.image import IMAGE_EXTENSIONS
+
 from .splits import stratified_split
 
 __all__ = ["DEFAULT_FASHION_MNIST_DIR", "Dataset", "DatasetError", "Split", "load_dataset", "read_idx"]
@@ -29,12 +31,26 @@ DEFAULT_FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 """Where Debian's ``dataset-fashion-mnist`` package installs the IDX files."""
 
 FASHION_MNIST_CLASSES = (
-    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
 )
 TEST_FRACTION = 0.2
-IMAGE_SUFFIXES = frozenset({".bmp", ".gif", ".jpeg", ".jpg", ".png", ".ppm", ".tif", ".tiff", ".webp"})
-_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
-               0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+_IDX_DTYPES = {
+    0x08: np.uint8,
+    0x09: np.int8,
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
 
 
 class DatasetError(ValueError):
@@ -120,7 +136,7 @@ def read_idx(path: Path) -> np.ndarray:
     ndim = raw[3]
     header = 4 + 4 * ndim
     shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
-    dtype = np.dtype(_IDX_DTYPES[raw[2]])
+    dtype: np.dtype = np.dtype(_IDX_DTYPES[raw[2]])  # type: ignore[call-overload]
     expected = header + int(np.prod(shape)) * dtype.itemsize
     if len(raw) != expected:
         raise DatasetError(f"{path}: header declares shape {shape} ({expected} bytes) but the file has {len(raw)}")
@@ -152,8 +168,13 @@ def _fashion_mnist(folder: Path) -> Dataset:
             f"Fashion-MNIST folder {folder} does not exist; install Debian's dataset-fashion-mnist package "
             "or pass --data-dir"
         )
-    return Dataset("fashion-mnist", FASHION_MNIST_CLASSES, _idx_split(folder, "train"), _idx_split(folder, "t10k"),
-                   "the official 60000 / 10000 train / test files")
+    return Dataset(
+        "fashion-mnist",
+        FASHION_MNIST_CLASSES,
+        _idx_split(folder, "train"),
+        _idx_split(folder, "t10k"),
+        "the official 60000 / 10000 train / test files",
+    )
 
 
 # ---- digits -----------------------------------------------------------------------------------
@@ -166,8 +187,13 @@ def _digits(seed: int) -> Dataset:
     images = np.rint(digits.images * (255 / 16)).astype(np.uint8)
     labels = digits.target.astype(np.int64)
     train, test = stratified_split(labels, TEST_FRACTION, seed)
-    return Dataset("digits", tuple(str(n) for n in range(10)), Split(images[train], labels[train]),
-                   Split(images[test], labels[test]), f"seeded stratified {TEST_FRACTION:.0%} test split (seed {seed})")
+    return Dataset(
+        "digits",
+        tuple(str(n) for n in range(10)),
+        Split(images[train], labels[train]),
+        Split(images[test], labels[test]),
+        f"seeded stratified {TEST_FRACTION:.0%} test split (seed {seed})",
+    )
 
 
 # ---- ImageFolder ------------------------------------------------------------------------------
@@ -179,11 +205,11 @@ def _class_files(folder: Path) -> dict[str, list[Path]]:
         raise DatasetError(f"image folder {folder} does not exist")
     classes = {}
     for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
-        files = sorted(p for p in sub.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+        files = sorted(p for p in sub.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
         if files:
             classes[sub.name] = files
     if not classes:
-        raise DatasetError(f"image folder {folder} has no class subfolders with images ({sorted(IMAGE_SUFFIXES)})")
+        raise DatasetError(f"image folder {folder} has no class subfolders with images ({sorted(IMAGE_EXTENSIONS)})")
     return classes
 
 
@@ -204,13 +230,22 @@ def _image_folder(spec: str, root: Path, seed: int) -> Dataset:
         if unknown:
             raise DatasetError(f"{test_dir} has classes missing from {root / 'train'}: {unknown}")
         classes = tuple(train_files)
-        return Dataset(spec, classes, _to_split(train_files, classes), _to_split(test_files, classes),
-                       f"the folder's own train / {test_dir.name} splits")
+        return Dataset(
+            spec,
+            classes,
+            _to_split(train_files, classes),
+            _to_split(test_files, classes),
+            f"the folder's own train / {test_dir.name} splits",
+        )
     files = _class_files(root)
     classes = tuple(files)
     everything = _to_split(files, classes)
     train, test = stratified_split(everything.labels, TEST_FRACTION, seed)
     paths = list(everything.images)
-    return Dataset(spec, classes, Split([paths[i] for i in train], everything.labels[train]),
-                   Split([paths[i] for i in test], everything.labels[test]),
-                   f"seeded stratified {TEST_FRACTION:.0%} test split (seed {seed})")
+    return Dataset(
+        spec,
+        classes,
+        Split([paths[i] for i in train], everything.labels[train]),
+        Split([paths[i] for i in test], everything.labels[test]),
+        f"seeded stratified {TEST_FRACTION:.0%} test split (seed {seed})",
+    )

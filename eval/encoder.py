@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from moonvit import MoonViT, MoonViTImageProcessor
-from moonvit.checkpoint import update_weights_digest
+from moonvit.weights.checkpoint import update_weights_digest
 
 __all__ = ["FrozenEncoder", "load_frozen_encoder", "weights_hash"]
 
@@ -62,6 +62,7 @@ def load_frozen_encoder(
         processor = MoonViTImageProcessor.from_pretrained(checkpoint)
         source, prefix = f"checkpoint:{Path(checkpoint).resolve()}", "checkpoint"
     else:
+        assert preset is not None
         if not random_init:
             raise ValueError(f"preset {preset!r} has no trained weights; pass --random-init to probe a random encoder")
         torch.manual_seed(seed)

@@ -21,11 +21,22 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
 
-from moonvit import DEFAULT_MAX_PATCHES_PER_PACK, MoonViT, MoonViTImageProcessor, MoonViTOutput, load_image, pack_images
-from moonvit.processor import ImageInput
+from moonvit import (
+    DEFAULT_MAX_PATCHES_PER_PACK,
+    MoonViTImageProcessor,
+    MoonViTOutput,
+    PackedGrid,
+    VisionEncoder,
+    encode_pack,
+    load_image,
+    pack_images,
+    pool_features,
+)
+from moonvit.files import save_safetensors_atomic
+from moonvit.media.image import ImageInput
 
 from .datasets import Split
 from .encoder import FrozenEncoder
@@ -42,6 +53,8 @@ __all__ = [
 ]
 
 ENCODER_VIEWS = ("mean", "merged-mean", "last4")
+LAST4 = (-4, -3, -2, -1)
+"""The hidden states the ``last4`` view reads: the last four blocks' outputs."""
 FEATURE_VIEWS = (*ENCODER_VIEWS, "pixels")
 CACHE_FORMAT = 1
 PIXEL_SIDE = 32
@@ -72,48 +85,42 @@ class ResizePolicy:
         return image.resize(size, Image.Resampling.BICUBIC)
 
 
-def encoder_views(output: MoonViTOutput, grid_hws: torch.Tensor, views: Iterable[str]) -> dict[str, torch.Tensor]:
+def encoder_views(
+    output: MoonViTOutput, grid: PackedGrid | torch.Tensor, views: Iterable[str]
+) -> dict[str, torch.Tensor]:
     """Per-image feature views of one pack's forward.
 
     Args:
-        output: the encoder's output for a pack of N images, with ``hidden_states`` when ``last4`` is asked.
-        grid_hws: (N, 2) patch grids of the pack's images.
+        output: the encoder's output for a pack of N images, with the last 4 blocks' hidden
+            states when ``last4`` is asked (``hidden_state_indices=LAST4``).
+        grid: the pack's grid, or its (N, 2) ``grid_hws``.
         views: names from :data:`ENCODER_VIEWS`.
 
     Returns:
         {view: (N, F) float32}: F = D for ``mean``, 4D for ``merged-mean`` and ``last4``.
     """
-    patches = (grid_hws[:, 0] * grid_hws[:, 1]).to(output.last_hidden_state.device)
     result = {}
     for view in views:
         if view == "mean":
-            result[view] = _segment_mean(output.last_hidden_state, patches)
+            result[view] = pool_features(output, grid)
         elif view == "merged-mean":
-            group = output.merged.shape[1]
-            result[view] = _segment_mean(output.merged.flatten(1), patches // group)
+            result[view] = pool_features(output, grid, "merged")
         elif view == "last4":
-            if output.hidden_states is None or len(output.hidden_states) < 5:
-                raise ValueError("the last4 view needs the hidden states of an encoder with at least 4 blocks")
-            result[view] = torch.cat([_segment_mean(h, patches) for h in output.hidden_states[-4:]], dim=1)
+            if output.hidden_states is None or len(output.hidden_states) < 4:
+                raise ValueError("the last4 view needs the last 4 blocks' hidden states of an encoder with 4 blocks")
+            result[view] = torch.cat([pool_features(h, grid) for h in output.hidden_states[-4:]], dim=1)
         else:
             raise ValueError(f"unknown encoder view {view!r}; choose from {ENCODER_VIEWS}")
     return result
 
 
-def _segment_mean(tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """(L, F) tokens of N consecutive segments of ``counts`` (N,) tokens -> (N, F) float32 means."""
-    owner = torch.repeat_interleave(torch.arange(len(counts), device=tokens.device), counts)
-    sums = torch.zeros(len(counts), tokens.shape[1], device=tokens.device).index_add_(0, owner, tokens.float())
-    return sums / counts.unsqueeze(1)
-
-
-def available_views(model: MoonViT) -> tuple[str, ...]:
+def available_views(model: VisionEncoder) -> tuple[str, ...]:
     """The encoder views ``model`` can give (``last4`` needs 4 blocks)."""
     return ENCODER_VIEWS if model.config.num_hidden_layers >= 4 else ENCODER_VIEWS[:2]
 
 
 def extract_features(
-    model: MoonViT,
+    model: VisionEncoder,
     processor: MoonViTImageProcessor,
     images: Iterable[ImageInput],
     views: Iterable[str],
@@ -126,21 +133,21 @@ def extract_features(
     """Run the frozen encoder over ``images`` in packs of at most ``max_patches_per_pack`` patches.
 
     Images are loaded to RGB, resized by ``resize``, then packed with :func:`moonvit.pack_images`
-    and processed pack by pack without autograd, with a tqdm bar over images.
+    and encoded pack by pack (:func:`moonvit.encode_pack`) without autograd, with a tqdm bar over
+    images. Only the hidden states a view needs are kept.
 
     Returns:
         {view: (N, F) float32 on the CPU}, rows in input order.
     """
     views = tuple(views)
-    device = model.device
     chunks: dict[str, list[torch.Tensor]] = {view: [] for view in views}
+    indices = LAST4 if "last4" in views else None
     resized = (resize(processor.load_image(image)) for image in images)
     with tqdm(total=total, desc=description, unit="img") as bar, torch.inference_mode():
         for pack in pack_images(resized, processor, max_patches_per_pack):
-            batch = processor([item.source for item in pack.items],
-                              in_token_limit=[item.in_token_limit for item in pack.items])
-            output = model(batch.pixel_values.to(device), batch.grid_hws, output_hidden_states="last4" in views)
-            for view, value in encoder_views(output, batch.grid_hws, views).items():
+            encoded = encode_pack(model, processor, pack, hidden_state_indices=indices)
+            assert encoded.output is not None and encoded.grid is not None
+            for view, value in encoder_views(encoded.output, encoded.grid, views).items():
                 chunks[view].append(value.cpu())
             bar.update(len(pack.items))
     if not any(chunks.values()):
@@ -178,14 +185,11 @@ class FeatureCache:
 
     def save(self, key: dict[str, Any], features: torch.Tensor) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        path = self.path(key)
-        partial = path.with_suffix(".partial")
-        save_file({"features": features.contiguous()}, partial, metadata={"key": json.dumps(key, sort_keys=True)})
-        partial.replace(path)
+        save_safetensors_atomic({"features": features}, self.path(key), {"key": json.dumps(key, sort_keys=True)})
 
 
 def split_features(
-    encoder: FrozenEncoder,
+    encoder: FrozenEncoder | None,
     split: Split,
     view: str,
     *,
@@ -197,14 +201,17 @@ def split_features(
 ) -> tuple[torch.Tensor, bool]:
     """One view's (N, F) features of ``split``, from the cache or by running the encoder once.
 
-    On a miss every view the encoder can give is extracted from the same forward and cached, so
-    probing another view later does not re-run the encoder. ``pixels`` is computed, never cached.
+    ``encoder`` may be None for the ``pixels`` view only. On a miss every view the encoder can
+    give is extracted from the same forward and cached, so probing another view later does not
+    re-run the encoder. ``pixels`` is computed, never cached.
 
     Returns:
         (features, cache_hit).
     """
     if view == "pixels":
         return pixel_features(split.images), False
+    if encoder is None:
+        raise ValueError(f"view {view!r} needs an encoder")
     views = available_views(encoder.model)
     if view not in views:
         raise ValueError(f"view {view!r} is not available for this encoder (it gives {views})")
@@ -221,9 +228,16 @@ def split_features(
     cached = cache.load({**base, "view": view})
     if cached is not None:
         return cached, True
-    extracted = extract_features(encoder.model, encoder.processor, split.images, views, resize=resize,
-                                 max_patches_per_pack=max_patches_per_pack, total=len(split),
-                                 description=f"{dataset} {split_name}")
+    extracted = extract_features(
+        encoder.model,
+        encoder.processor,
+        split.images,
+        views,
+        resize=resize,
+        max_patches_per_pack=max_patches_per_pack,
+        total=len(split),
+        description=f"{dataset} {split_name}",
+    )
     for name, features in extracted.items():
         cache.save({**base, "view": name}, features)
     return extracted[view], False

@@ -25,6 +25,15 @@ import PIL
 import torch
 
 import moonvit
+from moonvit.cli import (
+    add_budget_argument,
+    add_device_argument,
+    add_dtype_argument,
+    add_threads_argument,
+    apply_threads,
+    output_dir,
+    torch_dtype,
+)
 
 from .datasets import DEFAULT_FASHION_MNIST_DIR, Dataset, DatasetError, load_dataset
 from .encoder import FrozenEncoder, load_frozen_encoder
@@ -32,8 +41,6 @@ from .features import FEATURE_VIEWS, FeatureCache, ResizePolicy, split_features
 from .metrics import classification_metrics
 from .probe import ProbeConfig, run_probe
 from .report import markdown_table, save_confusion_png, write_json
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,24 +53,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dataset", required=True, help="fashion-mnist, digits or imagefolder:DIR")
     parser.add_argument("--data-dir", type=Path, help=f"Fashion-MNIST IDX folder (default {DEFAULT_FASHION_MNIST_DIR})")
     parser.add_argument("--features", choices=FEATURE_VIEWS, default="mean", help="feature view (default mean)")
-    parser.add_argument("--out", type=Path, default=Path("outputs/linear_probe"), help="output folder")
-    parser.add_argument("--cache-dir", type=Path, help="feature cache (default <out>/../feature-cache)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES),
-                        help="encoder dtype (default: the checkpoint's, float32 for presets)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
+    parser.add_argument("--out", type=output_dir, default=Path("outputs/linear_probe"), help="output folder")
+    parser.add_argument("--cache-dir", type=output_dir, help="feature cache (default <out>/../feature-cache)")
+    add_device_argument(parser)
+    add_dtype_argument(parser, None, "encoder dtype (default: the checkpoint's, fp32 for presets)")
+    add_threads_argument(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of random init, splits and shuffles")
-    parser.add_argument("--short-side", type=int, default=ResizePolicy().short_side,
-                        help="resize images (bicubic, aspect kept) to this short side before the processor; 0 = native")
-    parser.add_argument("--max-patches-per-pack", type=int, default=8192, help="patch budget of one encoder forward")
+    parser.add_argument(
+        "--short-side",
+        type=int,
+        default=ResizePolicy().short_side,
+        help="resize images (bicubic, aspect kept) to this short side before the processor; 0 = native",
+    )
+    add_budget_argument(parser)
     parser.add_argument("--solver", choices=("adamw", "lbfgs"), default=defaults.solver)
     parser.add_argument("--lrs", type=float, nargs="+", default=defaults.learning_rates, help="AdamW learning rates")
     parser.add_argument("--weight-decays", type=float, nargs="+", default=defaults.weight_decays, help="AdamW decays")
     parser.add_argument("--epochs", type=int, default=defaults.epochs, help="AdamW epochs")
     parser.add_argument("--min-steps", type=int, default=defaults.min_steps, help="AdamW minimum steps")
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="AdamW batch size")
-    parser.add_argument("--Cs", type=float, nargs="+", default=defaults.inverse_regularization,
-                        help="L-BFGS inverse L2 strengths C")
+    parser.add_argument(
+        "--Cs", type=float, nargs="+", default=defaults.inverse_regularization, help="L-BFGS inverse L2 strengths C"
+    )
     parser.add_argument("--val-fraction", type=float, default=defaults.val_fraction, help="selection share of train")
     parser.add_argument("--l2-normalize", action="store_true", help="L2-normalise features before standardising")
     parser.add_argument("--no-baseline", action="store_true", help="skip the raw-pixels baseline row")
@@ -71,16 +82,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def probe_view(
-    view: str, dataset: Dataset, encoder: FrozenEncoder | None, config: ProbeConfig, cache: FeatureCache,
-    resize: ResizePolicy, max_patches_per_pack: int, device: str, out: Path,
+    view: str,
+    dataset: Dataset,
+    encoder: FrozenEncoder | None,
+    config: ProbeConfig,
+    cache: FeatureCache,
+    resize: ResizePolicy,
+    max_patches_per_pack: int,
+    device: str,
+    out: Path,
 ) -> dict[str, Any]:
     """Features, probe, metrics and confusion PNG of one view: a ``runs`` entry of results.json."""
     start = time.perf_counter()
     features, hits = {}, {}
     for name, split in (("train", dataset.train), ("test", dataset.test)):
-        features[name], hits[name] = split_features(encoder, split, view, dataset=dataset.name, split_name=name,
-                                                    resize=resize, cache=cache,
-                                                    max_patches_per_pack=max_patches_per_pack)
+        features[name], hits[name] = split_features(
+            encoder,
+            split,
+            view,
+            dataset=dataset.name,
+            split_name=name,
+            resize=resize,
+            cache=cache,
+            max_patches_per_pack=max_patches_per_pack,
+        )
     features_s = time.perf_counter() - start
     start = time.perf_counter()
     train_y = torch.from_numpy(dataset.train.labels).to(device)
@@ -114,9 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--features {args.features} needs an encoder: --checkpoint PATH or --preset NAME --random-init")
     if args.preset is not None and not args.random_init:
         parser.error(f"--preset {args.preset} has no trained weights; add --random-init")
-    if args.threads < 1:
-        parser.error("--threads must be at least 1")
-    torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     torch.manual_seed(args.seed)
     try:
         dataset = load_dataset(args.dataset, args.data_dir, seed=args.seed)
@@ -126,22 +149,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     encoder = None
     if args.features != "pixels":
-        dtype = DTYPES[args.dtype] if args.dtype else None
+        dtype = torch_dtype(args.dtype) if args.dtype else None
         try:
-            encoder = load_frozen_encoder(checkpoint=args.checkpoint, preset=args.preset,
-                                          random_init=args.random_init, seed=args.seed, dtype=dtype, device=args.device)
+            encoder = load_frozen_encoder(
+                checkpoint=args.checkpoint,
+                preset=args.preset,
+                random_init=args.random_init,
+                seed=args.seed,
+                dtype=dtype,
+                device=args.device,
+            )
         except moonvit.CheckpointError as error:
             parser.error(f"cannot load --checkpoint {args.checkpoint}: {error}")
-    config = ProbeConfig(solver=args.solver, learning_rates=tuple(args.lrs), weight_decays=tuple(args.weight_decays),
-                         epochs=args.epochs, min_steps=args.min_steps, batch_size=args.batch_size,
-                         inverse_regularization=tuple(args.Cs), val_fraction=args.val_fraction,
-                         l2_normalize=args.l2_normalize, seed=args.seed)
+    config = ProbeConfig(
+        solver=args.solver,
+        learning_rates=tuple(args.lrs),
+        weight_decays=tuple(args.weight_decays),
+        epochs=args.epochs,
+        min_steps=args.min_steps,
+        batch_size=args.batch_size,
+        inverse_regularization=tuple(args.Cs),
+        val_fraction=args.val_fraction,
+        l2_normalize=args.l2_normalize,
+        seed=args.seed,
+    )
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     cache = FeatureCache(args.cache_dir if args.cache_dir is not None else out.resolve().parent / "feature-cache")
     views = [args.features] + ([] if args.no_baseline or args.features == "pixels" else ["pixels"])
-    runs = [probe_view(view, dataset, encoder, config, cache, resize, args.max_patches_per_pack, args.device, out)
-            for view in views]
+    runs = [
+        probe_view(view, dataset, encoder, config, cache, resize, args.max_patches_per_pack, args.device, out)
+        for view in views
+    ]
     main_run = runs[0]
     results = {
         "features": main_run["features"],
@@ -152,24 +191,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "chosen": main_run["chosen"],
         "feature_dim": main_run["feature_dim"],
         "runs": runs,
-        "dataset": {"spec": args.dataset, "classes": list(dataset.classes), "train_size": len(dataset.train),
-                    "test_size": len(dataset.test), "split_rule": dataset.split_rule,
-                    "data_dir": str(args.data_dir or DEFAULT_FASHION_MNIST_DIR)
-                    if args.dataset == "fashion-mnist" else None},
-        "encoder": None if encoder is None else {"source": encoder.source, "checkpoint_hash": encoder.hash,
-                                                 "dtype": str(encoder.model.dtype), "device": args.device,
-                                                 "num_parameters": sum(p.numel() for p in encoder.model.parameters())},
-        "preprocessing": {"resize": {"policy": "short side to N px, Pillow bicubic, aspect kept (0 = native)",
-                                     "short_side": resize.short_side},
-                          "processor": None if encoder is None else encoder.processor.to_dict(),
-                          "max_patches_per_pack": args.max_patches_per_pack,
-                          "standardize": "train mean / std per dimension", "l2_normalize": args.l2_normalize},
+        "dataset": {
+            "spec": args.dataset,
+            "classes": list(dataset.classes),
+            "train_size": len(dataset.train),
+            "test_size": len(dataset.test),
+            "split_rule": dataset.split_rule,
+            "data_dir": str(args.data_dir or DEFAULT_FASHION_MNIST_DIR) if args.dataset == "fashion-mnist" else None,
+        },
+        "encoder": None
+        if encoder is None
+        else {
+            "source": encoder.source,
+            "checkpoint_hash": encoder.hash,
+            "dtype": str(encoder.model.dtype),
+            "device": args.device,
+            "num_parameters": sum(p.numel() for p in encoder.model.parameters()),
+        },
+        "preprocessing": {
+            "resize": {
+                "policy": "short side to N px, Pillow bicubic, aspect kept (0 = native)",
+                "short_side": resize.short_side,
+            },
+            "processor": None if encoder is None else encoder.processor.to_dict(),
+            "max_patches_per_pack": args.max_patches_per_pack,
+            "standardize": "train mean / std per dimension",
+            "l2_normalize": args.l2_normalize,
+        },
         "probe": dataclasses.asdict(config),
         "seed": args.seed,
         "threads": torch.get_num_threads(),
         "command": " ".join(["python -m eval.linear_probe", *(argv if argv is not None else sys.argv[1:])]),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
-                     "pillow": PIL.__version__, "moonvit": moonvit.__version__},
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "numpy": np.__version__,
+            "pillow": PIL.__version__,
+            "moonvit": moonvit.__version__,
+        },
         "timings": {"total_s": time.perf_counter() - start},
     }
     write_json(results, out / "results.json")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __all__ = ["classification_metrics", "confusion_matrix"]
@@ -13,7 +15,7 @@ def confusion_matrix(predictions: torch.Tensor, labels: torch.Tensor, num_classe
     return torch.bincount(flat, minlength=num_classes * num_classes).view(num_classes, num_classes)
 
 
-def classification_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, object]:
+def classification_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
     """Metrics of (N, C) logits against (N,) labels.
 
     Returns:
@@ -26,7 +28,7 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[s
     confusion = confusion_matrix(logits.argmax(dim=1), labels, num_classes)
     support = confusion.sum(dim=1)
     recall = confusion.diagonal().double() / support.clamp(min=1)
-    metrics: dict[str, object] = {"top1": float((logits.argmax(dim=1) == labels).double().mean())}
+    metrics: dict[str, Any] = {"top1": float((logits.argmax(dim=1) == labels).double().mean())}
     if num_classes >= 5:
         top5 = logits.topk(5, dim=1).indices
         metrics["top5"] = float((top5 == labels.unsqueeze(1)).any(dim=1).double().mean())

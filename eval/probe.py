@@ -27,8 +27,15 @@ import torch.nn.functional as F
 
 from .splits import stratified_split
 
-__all__ = ["LinearHeads", "ProbeConfig", "ProbeResult", "Standardizer", "fit_logistic_lbfgs", "run_probe",
-           "train_adamw_heads"]
+__all__ = [
+    "LinearHeads",
+    "ProbeConfig",
+    "ProbeResult",
+    "Standardizer",
+    "fit_logistic_lbfgs",
+    "run_probe",
+    "train_adamw_heads",
+]
 
 Solver = Literal["adamw", "lbfgs"]
 
@@ -199,8 +206,15 @@ def fit_logistic_lbfgs(
     weight.requires_grad_(True)
     bias.requires_grad_(True)
     penalty = 1 / (2 * inverse_regularization * len(x))
-    optimizer = torch.optim.LBFGS([weight, bias], lr=1, max_iter=max_iter, tolerance_grad=tolerance_grad,
-                                  tolerance_change=1e-12, history_size=20, line_search_fn="strong_wolfe")
+    optimizer = torch.optim.LBFGS(
+        [weight, bias],
+        lr=1,
+        max_iter=max_iter,
+        tolerance_grad=tolerance_grad,
+        tolerance_change=1e-12,
+        history_size=20,
+        line_search_fn="strong_wolfe",
+    )
 
     def closure() -> torch.Tensor:
         optimizer.zero_grad()
@@ -245,12 +259,20 @@ def run_probe(
     Returns:
         the :class:`ProbeResult`, with (M, C) test logits.
     """
-    fit_index, val_index = (torch.from_numpy(i) for i in stratified_split(train_y.cpu().numpy(), config.val_fraction,
-                                                                          config.seed))
+    fit_index, val_index = (
+        torch.from_numpy(i) for i in stratified_split(train_y.cpu().numpy(), config.val_fraction, config.seed)
+    )
     settings = config.grid()
     scaler = Standardizer.fit(train_x[fit_index], config.l2_normalize)
-    val_top1 = _fit(scaler(train_x[fit_index]), train_y[fit_index], scaler(train_x[val_index]),
-                    train_y[val_index], num_classes, config, settings)
+    val_top1 = _fit(
+        scaler(train_x[fit_index]),
+        train_y[fit_index],
+        scaler(train_x[val_index]),
+        train_y[val_index],
+        num_classes,
+        config,
+        settings,
+    )
     best = int(np.argmax(val_top1))  # ties go to the first setting in grid order
     grid = [{**setting, "val_top1": score} for setting, score in zip(settings, val_top1)]
     chosen = settings[best]
@@ -263,36 +285,69 @@ def run_probe(
     return ProbeResult(chosen, grid, edge_warnings, heads.logits(scaler(test_x))[0].float(), sizes)
 
 
-def _fit(x: torch.Tensor, y: torch.Tensor, val_x: torch.Tensor, val_y: torch.Tensor, num_classes: int,
-         config: ProbeConfig, settings: list[dict[str, float]]) -> list[float]:
+def _fit(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    val_x: torch.Tensor,
+    val_y: torch.Tensor,
+    num_classes: int,
+    config: ProbeConfig,
+    settings: list[dict[str, float]],
+) -> list[float]:
     """Validation top-1 of every setting, trained on (x, y)."""
     if config.solver == "adamw":
-        heads = train_adamw_heads(x, y, num_classes, torch.tensor([s["lr"] for s in settings]),
-                                  torch.tensor([s["weight_decay"] for s in settings]), epochs=config.epochs,
-                                  batch_size=config.batch_size, seed=config.seed, min_steps=config.min_steps)
+        heads = train_adamw_heads(
+            x,
+            y,
+            num_classes,
+            torch.tensor([s["lr"] for s in settings]),
+            torch.tensor([s["weight_decay"] for s in settings]),
+            epochs=config.epochs,
+            batch_size=config.batch_size,
+            seed=config.seed,
+            min_steps=config.min_steps,
+        )
         return (heads.logits(val_x).argmax(-1) == val_y).double().mean(dim=1).tolist()
     scores, previous = [], None
     for setting in settings:
-        previous = fit_logistic_lbfgs(x, y, num_classes, setting["C"], max_iter=config.max_iter,
-                                      tolerance_grad=config.tolerance_grad, init=previous)
+        previous = fit_logistic_lbfgs(
+            x,
+            y,
+            num_classes,
+            setting["C"],
+            max_iter=config.max_iter,
+            tolerance_grad=config.tolerance_grad,
+            init=previous,
+        )
         scores.append(float((previous.logits(val_x)[0].argmax(-1) == val_y).double().mean()))
     return scores
 
 
-def _refit(x: torch.Tensor, y: torch.Tensor, num_classes: int, config: ProbeConfig,
-           chosen: dict[str, float]) -> LinearHeads:
+def _refit(
+    x: torch.Tensor, y: torch.Tensor, num_classes: int, config: ProbeConfig, chosen: dict[str, float]
+) -> LinearHeads:
     if config.solver == "adamw":
-        return train_adamw_heads(x, y, num_classes, torch.tensor([chosen["lr"]]),
-                                 torch.tensor([chosen["weight_decay"]]), epochs=config.epochs,
-                                 batch_size=config.batch_size, seed=config.seed, min_steps=config.min_steps)
-    return fit_logistic_lbfgs(x, y, num_classes, chosen["C"], max_iter=config.max_iter,
-                              tolerance_grad=config.tolerance_grad)
+        return train_adamw_heads(
+            x,
+            y,
+            num_classes,
+            torch.tensor([chosen["lr"]]),
+            torch.tensor([chosen["weight_decay"]]),
+            epochs=config.epochs,
+            batch_size=config.batch_size,
+            seed=config.seed,
+            min_steps=config.min_steps,
+        )
+    return fit_logistic_lbfgs(
+        x, y, num_classes, chosen["C"], max_iter=config.max_iter, tolerance_grad=config.tolerance_grad
+    )
 
 
 def _edge_warnings(chosen: dict[str, float], config: ProbeConfig) -> list[str]:
     axes: dict[str, Any] = (
         {"lr": config.learning_rates, "weight_decay": config.weight_decays}
-        if config.solver == "adamw" else {"C": config.inverse_regularization}
+        if config.solver == "adamw"
+        else {"C": config.inverse_regularization}
     )
     messages = []
     for name, values in axes.items():
@@ -300,6 +355,8 @@ def _edge_warnings(chosen: dict[str, float], config: ProbeConfig) -> list[str]:
         edges = [value for value in (values[0], values[-1]) if value != 0]  # 0 is no edge: nothing lies below
         if len(values) > 1 and chosen[name] in edges:
             side = "smallest" if chosen[name] == values[0] else "largest"
-            messages.append(f"selected {name}={chosen[name]:g} is the {side} value of its grid {values}; "
-                            "the optimum may lie outside it")
+            messages.append(
+                f"selected {name}={chosen[name]:g} is the {side} value of its grid {values}; "
+                "the optimum may lie outside it"
+            )
     return messages

@@ -44,12 +44,20 @@ def save_confusion_png(confusion: Sequence[Sequence[int]], classes: Sequence[str
             shade = (int(255 - 220 * share), int(255 - 180 * share), int(255 - 90 * share))
             draw.rectangle((x, y, x + CELL - 1, y + CELL - 1), fill=shade, outline=(200, 200, 200))
             text = str(value)
-            draw.text((x + (CELL - font.getlength(text)) / 2, y + CELL // 2 - 5), text,
-                      fill="white" if share > 0.5 else "black", font=font)
+            draw.text(
+                (x + (CELL - font.getlength(text)) / 2, y + CELL // 2 - 5),
+                text,
+                fill="white" if share > 0.5 else "black",
+                font=font,
+            )
     for column in range(count):
         text = str(column)
-        draw.text((left + column * CELL + (CELL - font.getlength(text)) / 2, top + count * CELL + 6), text,
-                  fill="black", font=font)
+        draw.text(
+            (left + column * CELL + (CELL - font.getlength(text)) / 2, top + count * CELL + 6),
+            text,
+            fill="black",
+            font=font,
+        )
     image.save(path)
 
 
@@ -61,8 +69,16 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
         chosen = ", ".join(f"{k}={v:g}" for k, v in run["chosen"].items())
         best_val = max(setting["val_top1"] for setting in run["validation_grid"])
         top5 = f"{test['top5']:.4f}" if "top5" in test else "-"
-        cells = (run["features"], run["solver"], str(run["feature_dim"]), chosen, f"{best_val:.4f}",
-                 f"{test['top1']:.4f}", top5, f"{test['mean_per_class_recall']:.4f}",
-                 f"{run['timings']['probe_s']:.1f}")
+        cells = (
+            run["features"],
+            run["solver"],
+            str(run["feature_dim"]),
+            chosen,
+            f"{best_val:.4f}",
+            f"{test['top1']:.4f}",
+            top5,
+            f"{test['mean_per_class_recall']:.4f}",
+            f"{run['timings']['probe_s']:.1f}",
+        )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -1,36 +1,33 @@
-"""moonvit: a native-resolution MoonViT vision encoder for VLM and VLA stacks."""
+"""moonvit: a native-resolution MoonViT vision encoder for VLM and VLA stacks.
 
-from .checkpoint import CheckpointError
-from .config import PRESETS, MoonViTConfig, preset_config
-from .grid import PackedGrid, build_packed_grid
-from .model import MoonViT, MoonViTOutput
-from .packing import (
-    DEFAULT_MAX_PATCHES_PER_PACK,
-    EncodedImage,
-    Pack,
-    PackItem,
-    encode_images,
-    iter_encode_images,
-    pack_images,
-)
-from .processor import (
-    ImageBatch,
-    ImageLoadError,
-    ImagePlan,
-    ImageTooLargeError,
-    MoonViTImageProcessor,
-    image_size,
-    load_image,
-    patchify,
-    unpatchify,
-)
+Layout, by role:
+    moonvit.model    the network (config, grid metadata, position table, RoPE,
+                     attention backends, blocks, the encoder)
+    moonvit.media    media in (image decoding, the processor, token-budget packing)
+    moonvit.weights  weight formats (checkpoint folders, transformers interop)
+    moonvit.encode   packs through the encoder, outputs split per image
+    moonvit.cli      the shared command-line vocabulary
+"""
+
+from .encode import EncodedImage, EncodedPack, encode_images, encode_pack, iter_encode_images, pool_features
+from .media.image import IMAGE_EXTENSIONS, ImageLoadError, ImageTooLargeError, image_size, load_image
+from .media.packing import DEFAULT_MAX_PATCHES_PER_PACK, Pack, PackItem, pack_images
+from .media.processor import ImageBatch, ImagePlan, MoonViTImageProcessor, patchify, unpatchify
+from .model.config import PRESETS, MoonViTConfig, preset_config
+from .model.encoder import MoonViT, MoonViTOutput
+from .model.grid import PackedGrid, build_packed_grid, tokens_per_image
+from .model.interface import VisionEncoder
+from .weights.checkpoint import CheckpointError
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_MAX_PATCHES_PER_PACK",
+    "IMAGE_EXTENSIONS",
+    "PRESETS",
     "CheckpointError",
     "EncodedImage",
+    "EncodedPack",
     "ImageBatch",
     "ImageLoadError",
     "ImagePlan",
@@ -42,14 +39,17 @@ __all__ = [
     "Pack",
     "PackItem",
     "PackedGrid",
-    "PRESETS",
+    "VisionEncoder",
     "build_packed_grid",
     "encode_images",
+    "encode_pack",
     "image_size",
     "iter_encode_images",
     "load_image",
     "pack_images",
     "patchify",
+    "pool_features",
     "preset_config",
+    "tokens_per_image",
     "unpatchify",
 ]

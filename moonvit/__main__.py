@@ -1,7 +1,7 @@
 """The main job: encode images with MoonViT and write their merged visual tokens.
 
-    python -m moonvit                       # built-in sample images, random `small` preset
-    python -m moonvit --checkpoint DIR --images a.jpg b.png --dtype bf16
+python -m moonvit                       # built-in sample images, random `small` preset
+python -m moonvit --checkpoint DIR --images a.jpg b.png --dtype bf16
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,20 +18,31 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from . import __version__
-from .config import PRESETS
-from .model import MoonViT
-from .packing import iter_encode_images
-from .processor import MoonViTImageProcessor, image_size, load_image
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+from .cli import (
+    add_budget_argument,
+    add_device_argument,
+    add_dtype_argument,
+    add_threads_argument,
+    apply_threads,
+    output_dir,
+    torch_dtype,
+)
+from .encode import iter_encode_images
+from .media.image import image_size, load_image
+from .media.processor import MoonViTImageProcessor
+from .model.attention import attention_names
+from .model.config import PRESETS
+from .model.encoder import MoonViT
 
 
 def sample_images() -> dict[str, Image.Image]:
     """Procedural images of assorted sizes and aspect ratios (no files, no downloads)."""
+
     def rgb(array: np.ndarray) -> Image.Image:
         return Image.fromarray(np.clip(array, 0, 255).astype(np.uint8), "RGB")
 
-    def grid(h: int, w: int) -> tuple[np.ndarray, np.ndarray]:
+    def grid(h: int, w: int) -> np.ndarray:
+        """(2, h, w) float32 row and column coordinates."""
         return np.mgrid[0:h, 0:w].astype(np.float32)
 
     y, x = grid(448, 448)
@@ -55,28 +67,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m moonvit", description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--checkpoint", type=Path, help="local checkpoint folder (Kimi-VL release or moonvit format)")
-    source.add_argument("--preset", choices=sorted(PRESETS), default="small", help="random-init preset (default: small)")
+    source.add_argument(
+        "--preset", choices=sorted(PRESETS), default="small", help="random-init preset (default: small)"
+    )
     parser.add_argument("--images", nargs="+", type=Path, help="image files (default: built-in samples)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="compute dtype (default: bf16)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--attn", default="auto", choices=["auto", "flash_attention_2", "sdpa", "eager"])
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--max-patches-per-pack", type=int, default=16384, help="patch budget of one forward")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random-init preset")
-    parser.add_argument("--out", type=Path, default=Path("outputs/demo"), help="output folder")
-    parser.add_argument("--save-checkpoint", type=Path,
-                        help="also write the encoder and processor settings here (a checkpoint folder)")
-    parser.add_argument("--save-images", type=Path, help="also write the input images here as PNG")
+    add_dtype_argument(parser, "bf16", "compute dtype", choices=("bf16", "fp16", "fp32", "fp64"))
+    add_device_argument(parser)
+    parser.add_argument("--attn", default="auto", choices=attention_names(), help="attention backend (default: auto)")
+    add_threads_argument(parser)
+    add_budget_argument(parser)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random-init preset (default: 0)")
+    parser.add_argument(
+        "--out", type=output_dir, default=Path("outputs/demo"), help="output folder (default: outputs/demo)"
+    )
+    parser.add_argument(
+        "--save-checkpoint",
+        type=output_dir,
+        help="also write the encoder and processor settings here (a checkpoint folder)",
+    )
+    parser.add_argument("--save-images", type=output_dir, help="also write the input images here as PNG")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype]
+    apply_threads(args.threads)
+    dtype = torch_dtype(args.dtype)
     if args.checkpoint:
-        encoder = MoonViT.from_pretrained(args.checkpoint, dtype=dtype, device=args.device, attn_implementation=args.attn)
+        encoder = MoonViT.from_pretrained(
+            args.checkpoint, dtype=dtype, device=args.device, attn_implementation=args.attn
+        )
         processor = MoonViTImageProcessor.from_pretrained(args.checkpoint)
         source = str(args.checkpoint)
     else:
@@ -101,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"moonvit {__version__}: {source}, {args.dtype} on {args.device}, {torch.get_num_threads()} threads")
     print(f"{'image':<24} {'size':>11} {'grid':>9} {'tokens':>7} {'mean':>8} {'std':>7}")
-    summary = []
+    summary: list[dict[str, Any]] = []
     for name, result in zip(images, results):
         width, height = image_size(images[name])
         h, w = result.grid_hw
@@ -115,8 +135,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(results)} images, {patches} patches in {seconds:.2f} s ({patches / seconds:.0f} patches/s)")
 
     args.out.mkdir(parents=True, exist_ok=True)
-    save_file({s["image"]: r.tokens.float().contiguous() for s, r in zip(summary, results)}, args.out / "merged.safetensors")
-    (args.out / "summary.json").write_text(json.dumps({"source": source, "dtype": args.dtype, "images": summary}, indent=2))
+    save_file(
+        {s["image"]: r.tokens.float().contiguous() for s, r in zip(summary, results)}, args.out / "merged.safetensors"
+    )
+    (args.out / "summary.json").write_text(
+        json.dumps({"source": source, "dtype": args.dtype, "images": summary}, indent=2)
+    )
     print(f"merged tokens (n, 4, D) per image written to {args.out / 'merged.safetensors'}")
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import collections
 import hashlib
 import itertools
 import json
@@ -35,20 +36,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 import moonvit
-from moonvit import MoonViT, MoonViTImageProcessor, PackItem
-from moonvit.checkpoint import CheckpointError, update_weights_digest
-from moonvit.packing import group_into_packs, plan_pack_item
+from moonvit import IMAGE_EXTENSIONS, MoonViT, MoonViTImageProcessor, PackItem, VisionEncoder
+from moonvit.cli import (
+    add_budget_argument,
+    add_device_argument,
+    add_dtype_argument,
+    add_threads_argument,
+    apply_threads,
+    positive_int,
+    torch_dtype,
+)
+from moonvit.encode import EncodedPack, encode_pack
+from moonvit.files import save_safetensors_atomic, sha256_file, write_text_atomic
+from moonvit.media.packing import group_into_packs, plan_pack_item
+from moonvit.weights.checkpoint import CheckpointError, update_weights_digest
 
 from .model import MoonViTProjector
 from .token_folder import FAILURES_FILE, FORMAT, MANIFEST_FILE, PARTS_DIR, RUN_FILE
 
 __all__ = [
-    "DTYPES",
-    "IMAGE_EXTENSIONS",
     "STORES",
     "ExportError",
     "InputImage",
@@ -57,8 +66,6 @@ __all__ = [
     "read_inputs",
 ]
 
-IMAGE_EXTENSIONS = frozenset({".bmp", ".gif", ".jpeg", ".jpg", ".png", ".tif", ".tiff", ".webp"})
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 STORES = {"merged": ("merged",), "projected": ("projected",), "both": ("merged", "projected")}
 
 
@@ -126,18 +133,10 @@ def _jsonl_inputs(file: Path) -> list[InputImage]:
 
 
 def _check_unique_ids(images: Sequence[InputImage], source: Path) -> None:
-    seen: set[str] = set()
-    repeated = sorted({image.id for image in images if image.id in seen or seen.add(image.id)})
+    counts = collections.Counter(image.id for image in images)
+    repeated = sorted(name for name, count in counts.items() if count > 1)
     if repeated:
         raise ExportError(f"--inputs {source} repeats the ids {repeated[:5]}{' ...' if len(repeated) > 5 else ''}")
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while block := file.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # ---- planning --------------------------------------------------------------------------------
@@ -246,7 +245,7 @@ def plan_all(
 class Models:
     """The encoder, the projector (None when only merged tokens are stored) and the processor."""
 
-    encoder: MoonViT
+    encoder: VisionEncoder
     projector: MoonViTProjector | None
     processor: MoonViTImageProcessor
     checkpoint_sha256: str
@@ -317,14 +316,7 @@ def claim_output(out: Path, run: dict[str, Any]) -> None:
             )
         return
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(file, json.dumps(run, indent=2) + "\n")
-
-
-def write_atomic(file: Path, text: str) -> None:
-    """Write ``text`` to ``file`` through a temporary file and a rename."""
-    temporary = file.with_name(file.name + ".tmp")
-    temporary.write_text(text)
-    os.replace(temporary, file)
+    write_text_atomic(file, json.dumps(run, indent=2) + "\n")
 
 
 # ---- shards ----------------------------------------------------------------------------------
@@ -350,119 +342,73 @@ class ShardResult:
         return sum(entry["num_tokens"] for entry in self.images)
 
 
-@dataclass(frozen=True)
-class EncodedImage:
-    """One image's stored tensors ({kind: (n, ...)} on the CPU) and its file's SHA-256."""
-
-    sha256: str
-    tensors: dict[str, torch.Tensor]
-
-    @property
-    def num_tokens(self) -> int:
-        return next(iter(self.tensors.values())).shape[0]
-
-
 def export_shard(
     index: int, planned: Sequence[PlannedImage], models: Models, store: Sequence[str], budget: int, out: Path
 ) -> ShardResult:
     """Encode one shard's images, then write its tensors and its part file, each atomically."""
-    encoded: dict[int, EncodedImage] = {}
+    tensors: dict[int, dict[str, torch.Tensor]] = {}
     reasons: dict[int, str] = {}
     for pack in group_into_packs((p.item for p in planned if p.item is not None), budget):
-        done, failed = encode_group(pack.items, models, store)
-        encoded.update(done)
-        reasons.update(failed)
+        encoded = encode_pack(models.encoder, models.processor, pack, skip_errors=True)
+        reasons.update(encoded.failures)
+        if encoded.items:
+            tensors.update(stored_tensors(encoded, models, store))
     images: list[dict[str, Any]] = []
     failures: list[dict[str, Any]] = []
     stored: dict[str, list[torch.Tensor]] = {kind: [] for kind in store}
     offset = 0
     for entry in planned:
         reason = entry.reason if entry.item is None else reasons.get(entry.item.index)
-        if reason is not None:
+        if entry.item is None or reason is not None:
             failures.append({"id": entry.image.id, "path": entry.image.path, "reason": reason})
             continue
-        result = encoded[entry.item.index]
-        images.append(manifest_line(entry, result, shard_name(index), offset))
-        offset += result.num_tokens
+        try:
+            sha256 = sha256_file(entry.image.path)
+        except OSError as error:  # the file went away after it was decoded
+            failures.append({"id": entry.image.id, "path": entry.image.path, "reason": str(error)})
+            continue
+        result = tensors[entry.item.index]
+        num_tokens = len(result[store[0]])
+        images.append(manifest_line(entry, sha256, num_tokens, shard_name(index), offset))
+        offset += num_tokens
         for kind in store:
-            stored[kind].append(result.tensors[kind])
+            stored[kind].append(result[kind])
     if images:
-        save_atomic({kind: torch.cat(parts) for kind, parts in stored.items()}, out / shard_name(index))
+        save_safetensors_atomic({kind: torch.cat(parts) for kind, parts in stored.items()}, out / shard_name(index))
     part = part_path(out, index)
     part.parent.mkdir(exist_ok=True)
-    write_atomic(part, json.dumps({"images": images, "failures": failures}) + "\n")
+    write_text_atomic(part, json.dumps({"images": images, "failures": failures}) + "\n")
     return ShardResult(images, failures)
 
 
-def encode_group(
-    group: Sequence[PackItem], models: Models, store: Sequence[str]
-) -> tuple[dict[int, EncodedImage], dict[int, str]]:
-    """Decode each image of one forward's group on its own, then encode those that decoded.
-
-    Returns the encoded images and the reasons of those that failed, both by input position.
-    """
-    pixels, grids, hashes, reasons = [], [], {}, {}
-    for item in group:
-        try:
-            batch = models.processor([item.source], in_token_limit=[item.in_token_limit])
-            hashes[item.index] = sha256_file(item.source)
-        except (ValueError, OSError) as error:  # ImageLoadError included
-            reasons[item.index] = str(error)
-            continue
-        pixels.append(batch.pixel_values)
-        grids.append(batch.grid_hws)
-    if not pixels:
-        return {}, reasons
-    tensors = encode_pack(torch.cat(pixels), torch.cat(grids), models, store)
-    return {i: EncodedImage(hashes[i], t) for i, t in zip(hashes, tensors)}, reasons
+def stored_tensors(encoded: EncodedPack, models: Models, store: Sequence[str]) -> dict[int, dict[str, torch.Tensor]]:
+    """Per input index, the kinds to store on the CPU: ``merged`` (n_i, 4, D) and / or
+    ``projected`` (n_i, llm_hidden), n_i = rows_i * cols_i / 4, in the export dtype."""
+    outputs = {"merged": encoded.merged}
+    if "projected" in store:
+        assert models.projector is not None
+        with torch.no_grad():
+            outputs["projected"] = models.projector(encoded.merged)
+    split = {kind: encoded.split_tokens(outputs[kind].cpu()) for kind in store}
+    return {item.index: {kind: split[kind][i] for kind in store} for i, item in enumerate(encoded.items)}
 
 
-def encode_pack(
-    pixel_values: torch.Tensor, grid_hws: torch.Tensor, models: Models, store: Sequence[str]
-) -> list[dict[str, torch.Tensor]]:
-    """One forward of a pack of N images.
-
-    Args:
-        pixel_values: (L, 3, p, p) the processor's patches.
-        grid_hws: (N, 2) patch rows and columns of each image.
-
-    Returns:
-        Per image, on the CPU: ``merged`` (n_i, 4, D) and / or ``projected`` (n_i, llm_hidden),
-        n_i = rows_i * cols_i / 4, in the export dtype.
-    """
-    encoder = models.encoder
-    with torch.no_grad():
-        merged = encoder(pixel_values.to(encoder.device), grid_hws).merged
-        outputs = {"merged": merged}
-        if "projected" in store:
-            outputs["projected"] = models.projector(merged)
-    counts = (grid_hws.prod(dim=1) // merged.shape[1]).tolist()
-    split = {kind: outputs[kind].cpu().split(counts) for kind in store}
-    return [{kind: split[kind][i] for kind in store} for i in range(len(counts))]
-
-
-def manifest_line(entry: PlannedImage, result: EncodedImage, shard: str, offset: int) -> dict[str, Any]:
+def manifest_line(entry: PlannedImage, sha256: str, num_tokens: int, shard: str, offset: int) -> dict[str, Any]:
     """One ``manifest.jsonl`` record: where the image's tokens lie and how it was processed."""
+    assert entry.item is not None
     plan = entry.item.plan
     return {
         "id": entry.image.id,
         "path": entry.image.path,
-        "sha256": result.sha256,
+        "sha256": sha256,
         "size": list(plan.size),
         "resized": list(plan.resized_size),
         "grid_hw": list(plan.grid_hw),
-        "num_tokens": result.num_tokens,
+        "num_tokens": num_tokens,
         "rescaled": entry.item.rescaled,
         "shard": shard,
         "offset": offset,
     }
-
-
-def save_atomic(tensors: dict[str, torch.Tensor], file: Path) -> None:
-    """``safetensors`` save through a temporary file and a rename."""
-    temporary = file.with_name(file.name + ".tmp")
-    save_file({kind: tensor.contiguous() for kind, tensor in tensors.items()}, temporary, metadata={"format": "pt"})
-    os.replace(temporary, file)
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -479,8 +425,12 @@ class Progress:
 
 
 def export_rank(
-    shards: Sequence[int], layout: Sequence[range], planned: Sequence[PlannedImage], models: Models,
-    args: argparse.Namespace, show: bool,
+    shards: Sequence[int],
+    layout: Sequence[range],
+    planned: Sequence[PlannedImage],
+    models: Models,
+    args: argparse.Namespace,
+    show: bool,
 ) -> Progress:
     """Export this rank's shards that have no part file yet, with a progress bar on ``show``."""
     pending = [k for k in shards if not part_path(args.out, k).is_file()]
@@ -520,15 +470,14 @@ def assemble(out: Path, count: int) -> tuple[int, int]:
                 pass
         images.extend(json.dumps(line) + "\n" for line in part["images"])
         failures.extend(json.dumps(line) + "\n" for line in part["failures"])
-    write_atomic(out / MANIFEST_FILE, "".join(images))
-    write_atomic(out / FAILURES_FILE, "".join(failures))
+    write_text_atomic(out / MANIFEST_FILE, "".join(images))
+    write_text_atomic(out / FAILURES_FILE, "".join(failures))
     return len(images), len(failures)
 
 
 def export(args: argparse.Namespace) -> dict[str, Any]:
     """Run the export described by the parsed command line; returns the summary (on every rank)."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     ranks, device = init_ranks(args.device)
     try:
         return _export(args, ranks, device)
@@ -539,7 +488,7 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
 
 def _export(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> dict[str, Any]:
     images = read_inputs(args.inputs)
-    models = load_models(args.checkpoint, STORES[args.store], DTYPES[args.dtype], device)
+    models = load_models(args.checkpoint, STORES[args.store], torch_dtype(args.dtype), device)
     run = describe_run(args, models, images)
     problem = None
     if ranks.is_main:
@@ -595,29 +544,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n")[0],
         epilog="Data-parallel: torchrun --nproc-per-node K -m projector.export ...",
     )
-    parser.add_argument("--inputs", type=Path, required=True,
-                        help="image folder (recursive), text file of paths, or JSONL of {id, path} lines")
-    parser.add_argument("--checkpoint", type=Path, required=True,
-                        help="folder with the encoder, projector and preprocessor_config.json")
+    parser.add_argument(
+        "--inputs",
+        type=Path,
+        required=True,
+        help="image folder (recursive), text file of paths, or JSONL of {id, path} lines",
+    )
+    parser.add_argument(
+        "--checkpoint", type=Path, required=True, help="folder with the encoder, projector and preprocessor_config.json"
+    )
     parser.add_argument("--out", type=Path, required=True, help="output folder (resumed if it holds this run)")
-    parser.add_argument("--store", choices=sorted(STORES), default="projected",
-                        help="merged encoder tokens, projected tokens, or both (default: projected)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
-                        help="compute and storage dtype (default: bf16)")
-    parser.add_argument("--max-patches-per-pack", type=_positive, default=moonvit.DEFAULT_MAX_PATCHES_PER_PACK,
-                        help=f"patch budget of one forward (default: {moonvit.DEFAULT_MAX_PATCHES_PER_PACK})")
-    parser.add_argument("--shard-size", type=_positive, default=1000, help="images per shard (default: 1000)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cpu or cuda (each torchrun rank takes cuda:LOCAL_RANK)")
-    parser.add_argument("--threads", type=_positive, help="torch CPU threads per process (default: torch's choice)")
+    parser.add_argument(
+        "--store",
+        choices=sorted(STORES),
+        default="projected",
+        help="merged encoder tokens, projected tokens, or both (default: projected)",
+    )
+    add_dtype_argument(parser, "bf16", "compute and storage dtype")
+    add_budget_argument(parser)
+    parser.add_argument("--shard-size", type=positive_int, default=1000, help="images per shard (default: 1000)")
+    add_device_argument(parser, "cpu, cuda or cuda:N (each torchrun rank takes cuda:LOCAL_RANK)")
+    add_threads_argument(parser)
     return parser.parse_args(argv)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

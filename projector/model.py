@@ -37,10 +37,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from moonvit.checkpoint import CheckpointError, assign_from_files, read_json, tensor_files
-from moonvit.config import DictConfig, MoonViTConfig
+from moonvit.files import save_safetensors_atomic, write_text_atomic
+from moonvit.model.config import DictConfig, MoonViTConfig, merge_kernel
+from moonvit.weights.checkpoint import CheckpointError, assign_from_files, read_json, tensor_files
 
 PROJECTOR_TYPES = ("kimi", "mlp2x_gelu")
 CONFIG_FILE = "projector_config.json"
@@ -75,11 +75,9 @@ class ProjectorConfig(DictConfig):
     model_type: str = field(default="moonvit_projector", init=False)
 
     def __post_init__(self) -> None:
-        self.merge_kernel_size = tuple(int(k) for k in self.merge_kernel_size)
+        self.merge_kernel_size = merge_kernel(self.merge_kernel_size)
         if self.projector_type not in PROJECTOR_TYPES:
             raise ValueError(f"projector_type must be one of {PROJECTOR_TYPES}, got {self.projector_type!r}")
-        if len(self.merge_kernel_size) != 2 or min(self.merge_kernel_size) < 1:
-            raise ValueError(f"merge_kernel_size must be two positive ints, got {self.merge_kernel_size}")
         for name in ("vision_hidden_size", "text_hidden_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -100,7 +98,7 @@ class ProjectorConfig(DictConfig):
         return self.merged_hidden_size if self.projector_type == "kimi" else self.text_hidden_size
 
     @classmethod
-    def for_encoder(cls, encoder_config: MoonViTConfig, text_hidden_size: int, **overrides: Any) -> "ProjectorConfig":
+    def for_encoder(cls, encoder_config: MoonViTConfig, text_hidden_size: int, **overrides: Any) -> ProjectorConfig:
         """The config that fits ``encoder_config``'s width and merge kernel, for a new projector."""
         return cls(
             vision_hidden_size=encoder_config.hidden_size,
@@ -108,7 +106,6 @@ class ProjectorConfig(DictConfig):
             text_hidden_size=text_hidden_size,
             **overrides,
         )
-
 
 
 # ---- the module -----------------------------------------------------------------------
@@ -138,7 +135,7 @@ class MoonViTProjector(nn.Module):
         path: str | Path,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
-    ) -> "MoonViTProjector":
+    ) -> MoonViTProjector:
         """Load from a local folder: this project's format, a Kimi-VL or a Kimi-K2.5 checkpoint.
 
         ``projector_config.json``, where present, is read in preference to a
@@ -171,9 +168,9 @@ class MoonViTProjector(nn.Module):
         """
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / CONFIG_FILE).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
-        state = {name: tensor.detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
-        save_file(state, folder / WEIGHTS_FILE, metadata={"format": "pt"})
+        write_text_atomic(folder / CONFIG_FILE, json.dumps(self.config.to_dict(), indent=2) + "\n")
+        state = {name: tensor.detach().cpu() for name, tensor in self.state_dict().items()}
+        save_safetensors_atomic(state, folder / WEIGHTS_FILE)
 
     @property
     def dtype(self) -> torch.dtype:

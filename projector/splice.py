@@ -18,26 +18,20 @@ left to right, then sequence 1's, and so on.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Callable, Sequence
 
 import torch
+
+from moonvit.model.grid import tokens_per_image
 
 MEDIA_PAD_TOKEN_ID = 163605
 IGNORE_INDEX = -100
 
 
-def visual_token_counts(
-    grid_hws: torch.Tensor | Sequence[Sequence[int]], merge_kernel_size: tuple[int, int] = (2, 2)
-) -> list[int]:
-    """LLM tokens of each image: h * w / (kh * kw) for each (h, w) row of ``grid_hws`` (N, 2).
-
-    Use it to split the projector's packed output per image:
-    ``features.split(visual_token_counts(grid_hws))``.
-    """
-    kh, kw = merge_kernel_size
-    return [int(h) * int(w) // (kh * kw) for h, w in torch.as_tensor(grid_hws).tolist()]
+# LLM tokens of each image: :func:`moonvit.tokens_per_image` under the projector's name.
+visual_token_counts = tokens_per_image
 
 
 def splice_visual_tokens(

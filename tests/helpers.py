@@ -95,7 +95,7 @@ def write_kimi_vl_folder(
     weight_map = {}
     for file, tensors in shards.items():
         save_file(tensors, folder / file)
-        weight_map.update({k: file for k in tensors})
+        weight_map.update(dict.fromkeys(tensors, file))
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return folder
 
@@ -131,8 +131,6 @@ def run_export(*args: str | Path, threads: int = 1) -> dict:
         return export_main([str(a) for a in args] + ["--threads", str(threads)])
     finally:
         torch.set_num_threads(previous)
-
-
 
 
 class SafeOpenSpy:

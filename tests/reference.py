@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 
-def reference_forward(state: dict[str, torch.Tensor], config, pixel_values: torch.Tensor, grid_hws) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_forward(
+    state: dict[str, torch.Tensor], config, pixel_values: torch.Tensor, grid_hws
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (last_hidden_state (L, D), merged (L/4, 4, D)) in pixel_values' dtype."""
     D, H = config.hidden_size, config.num_attention_heads
     d = D // H
@@ -23,7 +25,9 @@ def reference_forward(state: dict[str, torch.Tensor], config, pixel_values: torc
     for h, w in [tuple(map(int, g)) for g in grid_hws]:
         patches = pixel_values[start : start + h * w]
         start += h * w
-        x = F.conv2d(patches, state["patch_embed.proj.weight"], state["patch_embed.proj.bias"], stride=config.patch_size)
+        x = F.conv2d(
+            patches, state["patch_embed.proj.weight"], state["patch_embed.proj.bias"], stride=config.patch_size
+        )
         x = x.reshape(h * w, D)
         table = state["patch_embed.pos_emb.weight"].permute(2, 0, 1).unsqueeze(0)
         pos = F.interpolate(table, size=(h, w), mode="bicubic", align_corners=False)

@@ -8,7 +8,7 @@ import torch
 from helpers import SafeOpenSpy, random_pack, tiny_model, write_kimi_vl_folder
 from safetensors.torch import load_file, save_file
 
-import moonvit.checkpoint as checkpoint
+import moonvit.weights.checkpoint as checkpoint
 from moonvit import CheckpointError, MoonViT, MoonViTConfig
 
 LM_TENSORS = {
@@ -154,4 +154,3 @@ def test_bad_folders_are_named(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "gone.safetensors"}}))
     with pytest.raises(CheckpointError, match="names gone.safetensors"):
         MoonViT.from_pretrained(tmp_path)
-

@@ -31,16 +31,38 @@ def test_main_job_from_a_checkpoint_folder_and_files(tmp_path, capsys):
     from PIL import Image
 
     Image.new("RGB", (300, 200), (10, 200, 30)).save(tmp_path / "a.png")
-    main(["--checkpoint", str(tmp_path / "ckpt"), "--images", str(tmp_path / "a.png"), "--dtype", "fp32",
-          "--out", str(tmp_path / "out")])
+    main(
+        [
+            "--checkpoint",
+            str(tmp_path / "ckpt"),
+            "--images",
+            str(tmp_path / "a.png"),
+            "--dtype",
+            "fp32",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     # 21 x 14 = 294 patches > 64: scaled by sqrt(64 / 294) to 139 x 93 px, padded to 140 x 112.
     assert summary["images"][0]["grid_hw"] == [8, 10]
 
 
 def test_main_job_saves_a_checkpoint_and_images_for_the_export(tmp_path, capsys):
-    main(["--preset", "tiny", "--dtype", "fp32", "--out", str(tmp_path / "out"),
-          "--save-checkpoint", str(tmp_path / "ckpt"), "--save-images", str(tmp_path / "images")])
+    main(
+        [
+            "--preset",
+            "tiny",
+            "--dtype",
+            "fp32",
+            "--out",
+            str(tmp_path / "out"),
+            "--save-checkpoint",
+            str(tmp_path / "ckpt"),
+            "--save-images",
+            str(tmp_path / "images"),
+        ]
+    )
     assert len(list((tmp_path / "images").glob("*.png"))) == 5
     assert MoonViTImageProcessor.from_pretrained(tmp_path / "ckpt") == MoonViTImageProcessor()
     from moonvit import MoonViT

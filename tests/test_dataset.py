@@ -19,8 +19,18 @@ from projector.dataset import VisualTokenDataset
 def export_folder(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("export")
     write_images(root / "images", 7, seed=2)
-    run_export("--inputs", root / "images", "--checkpoint", make_checkpoint(root / "ckpt"), "--out", root / "out",
-               "--store", "both", "--shard-size", "3")
+    run_export(
+        "--inputs",
+        root / "images",
+        "--checkpoint",
+        make_checkpoint(root / "ckpt"),
+        "--out",
+        root / "out",
+        "--store",
+        "both",
+        "--shard-size",
+        "3",
+    )
     return root / "out"
 
 
@@ -30,8 +40,14 @@ def expected_items(folder: Path) -> list[dict]:
     for line in map(json.loads, (folder / "manifest.jsonl").read_text().splitlines()):
         shard = load_file(folder / line["shard"])
         rows = slice(line["offset"], line["offset"] + line["num_tokens"])
-        items.append({"id": line["id"], "grid_hw": tuple(line["grid_hw"]),
-                      "merged": shard["merged"][rows], "projected": shard["projected"][rows]})
+        items.append(
+            {
+                "id": line["id"],
+                "grid_hw": tuple(line["grid_hw"]),
+                "merged": shard["merged"][rows],
+                "projected": shard["projected"][rows],
+            }
+        )
     return items
 
 

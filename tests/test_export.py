@@ -60,8 +60,22 @@ def checkpoint(tmp_path_factory) -> Path:
 def test_exported_tokens_equal_the_encoder_and_projector_run_directly(tmp_path, checkpoint):
     paths = write_images(tmp_path / "images", 7)
     out = tmp_path / "out"
-    summary = run_export("--inputs", tmp_path / "images", "--checkpoint", checkpoint, "--out", out,
-                         "--store", "both", "--dtype", "fp32", "--shard-size", "3", "--max-patches-per-pack", "150")
+    summary = run_export(
+        "--inputs",
+        tmp_path / "images",
+        "--checkpoint",
+        checkpoint,
+        "--out",
+        out,
+        "--store",
+        "both",
+        "--dtype",
+        "fp32",
+        "--shard-size",
+        "3",
+        "--max-patches-per-pack",
+        "150",
+    )
     assert summary["images"] == 7 and summary["failed"] == 0
 
     encoder = MoonViT.from_pretrained(checkpoint).eval()
@@ -70,8 +84,11 @@ def test_exported_tokens_equal_the_encoder_and_projector_run_directly(tmp_path, 
     lines = manifest(out)
     # Input order: sorted relative paths, the subfolder included.
     assert [line["id"] for line in lines] == sorted(p.relative_to(tmp_path / "images").as_posix() for p in paths)
-    assert {line["shard"] for line in lines} == {"shard-000000.safetensors", "shard-000001.safetensors",
-                                                  "shard-000002.safetensors"}
+    assert {line["shard"] for line in lines} == {
+        "shard-000000.safetensors",
+        "shard-000001.safetensors",
+        "shard-000002.safetensors",
+    }
     exported = tokens_by_id(out)
     for line in lines:
         batch = processor([line["path"]])
@@ -199,8 +216,9 @@ def test_an_export_killed_by_sigkill_resumes_to_the_uninterrupted_result(tmp_pat
     write_images(tmp_path / "images", 40, seed=3)
     common = ["--inputs", tmp_path / "images", "--checkpoint", checkpoint, "--shard-size", "4"]
     out = tmp_path / "out"
-    process = subprocess.Popen(export_command(*common, "--out", out), cwd=REPO,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        export_command(*common, "--out", out), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 30
         while not (out / "parts" / "shard-000000.json").exists():
@@ -242,8 +260,16 @@ def test_two_process_torchrun_export_equals_one_process(tmp_path, checkpoint):
     write_images(tmp_path / "images", 12, seed=5)
     (tmp_path / "images" / "broken.jpg").write_bytes(b"nope")
     common = ["--inputs", tmp_path / "images", "--checkpoint", checkpoint, "--shard-size", "3", "--store", "both"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), *export_command(*common, "--out", tmp_path / "two")[1:]]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        *export_command(*common, "--out", tmp_path / "two")[1:],
+    ]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "exported 12 images, 1 failed" in result.stdout
@@ -255,8 +281,19 @@ def test_two_process_torchrun_export_equals_one_process(tmp_path, checkpoint):
 
 
 def test_help_lists_the_options():
-    result = subprocess.run([sys.executable, "-m", "projector.export", "--help"], cwd=REPO,
-                            capture_output=True, text=True, check=True)
-    for option in ("--inputs", "--checkpoint", "--out", "--store", "--dtype", "--max-patches-per-pack",
-                   "--shard-size", "--device", "--threads", "torchrun"):
+    result = subprocess.run(
+        [sys.executable, "-m", "projector.export", "--help"], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    for option in (
+        "--inputs",
+        "--checkpoint",
+        "--out",
+        "--store",
+        "--dtype",
+        "--max-patches-per-pack",
+        "--shard-size",
+        "--device",
+        "--threads",
+        "torchrun",
+    ):
         assert option in result.stdout

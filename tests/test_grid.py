@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from moonvit import build_packed_grid, preset_config
+from moonvit import MoonViT, build_packed_grid, preset_config
 
 CONFIG = preset_config("tiny")
 
@@ -55,7 +55,7 @@ def test_list_input_and_device():
         (torch.tensor([[2.0, 2.0]]), TypeError, "integer"),
         (torch.tensor([[True, True]]), TypeError, "integer"),
         (torch.tensor([2, 2]), TypeError, r"\(N, 2\)"),
-        (torch.tensor([[1, 2, 2]]), TypeError, r"\(N, 2\)"),
+        (torch.tensor([[1, 2, 2, 2]]), TypeError, r"\(N, 2\)"),
         (torch.zeros(0, 2, dtype=torch.int64), ValueError, "empty pack"),
         (torch.tensor([[2, 2], [0, 2]]), ValueError, "image 1: grid 0x2 has a non-positive side"),
         (torch.tensor([[-2, 2]]), ValueError, "non-positive"),
@@ -79,11 +79,11 @@ def test_equal_grid_sizes_share_one_resampled_position_table():
 
 
 def test_repeated_packs_come_from_the_cache():
-    config = preset_config("tiny")
-    first = build_packed_grid([[4, 6], [2, 2]], config)
-    assert build_packed_grid(torch.tensor([[4, 6], [2, 2]]), config) is first
-    assert build_packed_grid([[2, 2], [4, 6]], config) is not first
-    other_theta = build_packed_grid([[4, 6], [2, 2]], preset_config("tiny", rope_theta=100.0))
+    model = MoonViT(preset_config("tiny"))
+    first = model.prepare_grid([[4, 6], [2, 2]])
+    assert model.prepare_grid(torch.tensor([[4, 6], [2, 2]])) is first
+    assert model.prepare_grid([[2, 2], [4, 6]]) is not first
+    other_theta = MoonViT(preset_config("tiny", rope_theta=100.0)).prepare_grid([[4, 6], [2, 2]])
     assert other_theta is not first
     assert not torch.equal(other_theta.rope_rotation, first.rope_rotation)
 

@@ -22,8 +22,12 @@ def digits():
     dataset = load_dataset("digits", seed=0)
     train_x, test_x = pixel_features(dataset.train.images), pixel_features(dataset.test.images)
     scaler = Standardizer.fit(train_x)
-    return (scaler(train_x), torch.from_numpy(dataset.train.labels), scaler(test_x),
-            torch.from_numpy(dataset.test.labels))
+    return (
+        scaler(train_x),
+        torch.from_numpy(dataset.train.labels),
+        scaler(test_x),
+        torch.from_numpy(dataset.test.labels),
+    )
 
 
 def test_lbfgs_matches_scikit_learn_logistic_regression(digits):
@@ -52,8 +56,9 @@ def test_digits_probe_on_raw_pixels_reaches_094(digits):
 def test_heads_train_independently_of_each_other(digits):
     train_x, train_y, _, _ = digits
     settings = dict(epochs=2, batch_size=256, seed=0)
-    together = train_adamw_heads(train_x, train_y, 10, torch.tensor([1e-2, 1e-1]), torch.tensor([0.0, 1e-2]),
-                                 **settings)
+    together = train_adamw_heads(
+        train_x, train_y, 10, torch.tensor([1e-2, 1e-1]), torch.tensor([0.0, 1e-2]), **settings
+    )
     alone = train_adamw_heads(train_x, train_y, 10, torch.tensor([1e-1]), torch.tensor([1e-2]), **settings)
     torch.testing.assert_close(together.weight[:, 1:], alone.weight, atol=1e-5, rtol=1e-4)
 
@@ -61,8 +66,9 @@ def test_heads_train_independently_of_each_other(digits):
 def test_selection_at_a_grid_edge_warns(digits):
     train_x, train_y, test_x, _ = digits
     with pytest.warns(UserWarning, match="C=0.001 is the largest"):
-        result = run_probe(train_x, train_y, test_x, 10,
-                           ProbeConfig(solver="lbfgs", inverse_regularization=(1e-4, 1e-3)))
+        result = run_probe(
+            train_x, train_y, test_x, 10, ProbeConfig(solver="lbfgs", inverse_regularization=(1e-4, 1e-3))
+        )
     assert result.edge_warnings and result.chosen["C"] == 1e-3
     assert result.sizes["select_val"] + result.sizes["select_train"] == result.sizes["train"]
 
@@ -96,9 +102,26 @@ def test_cli_on_digits_writes_results_and_reuses_features(tmp_path, capsys):
 
 def test_cli_probes_a_checkpoint_folder(tmp_path):
     tiny_model(0).save_pretrained(tmp_path / "ckpt")
-    results = main(["--checkpoint", str(tmp_path / "ckpt"), "--dataset", "digits", "--short-side", "28",
-                    "--no-baseline", "--solver", "lbfgs", "--Cs", "0.1", "1", "--out", str(tmp_path / "out"),
-                    "--threads", "2"])
+    results = main(
+        [
+            "--checkpoint",
+            str(tmp_path / "ckpt"),
+            "--dataset",
+            "digits",
+            "--short-side",
+            "28",
+            "--no-baseline",
+            "--solver",
+            "lbfgs",
+            "--Cs",
+            "0.1",
+            "1",
+            "--out",
+            str(tmp_path / "out"),
+            "--threads",
+            "2",
+        ]
+    )
     assert len(results["runs"]) == 1 and results["encoder"]["source"].startswith("checkpoint:")
     assert set(results["chosen"]) == {"C"} and results["top1"] > 0.5
 
@@ -110,8 +133,10 @@ def test_cli_probes_a_checkpoint_folder(tmp_path):
         (["--preset", "tiny", "--random-init", "--dataset", "cifar"], "unknown --dataset 'cifar'"),
         (["--dataset", "digits"], "needs an encoder"),
         (["--checkpoint", "/nonexistent", "--dataset", "digits"], "cannot load --checkpoint"),
-        (["--preset", "tiny", "--random-init", "--dataset", "fashion-mnist", "--data-dir", "/nonexistent"],
-         "does not exist"),
+        (
+            ["--preset", "tiny", "--random-init", "--dataset", "fashion-mnist", "--data-dir", "/nonexistent"],
+            "does not exist",
+        ),
     ],
 )
 def test_cli_errors_name_the_problem(args, message, capsys):

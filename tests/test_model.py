@@ -1,3 +1,5 @@
+import dataclasses
+import itertools
 import logging
 import sys
 import types
@@ -7,9 +9,9 @@ import torch
 from helpers import random_pack, tiny_model
 from reference import reference_forward
 
-import moonvit.attention as attention
-import moonvit.blocks as blocks
-import moonvit.rope as rope
+import moonvit.model.attention as attention
+import moonvit.model.blocks as blocks
+import moonvit.model.rope as rope
 from moonvit import MoonViT, preset_config
 
 MIXED = [(2, 2), (6, 10), (4, 4), (66, 4), (2, 68), (4, 4)]
@@ -51,8 +53,12 @@ def test_image_alone_equals_image_in_pack(impl):
     start, merged_start = 0, 0
     for i, (h, w) in enumerate(MIXED):
         alone = run(model, pixels[start : start + h * w], grids[i : i + 1], impl)
-        torch.testing.assert_close(packed.last_hidden_state[start : start + h * w], alone.last_hidden_state, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(packed.merged[merged_start : merged_start + h * w // 4], alone.merged, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            packed.last_hidden_state[start : start + h * w], alone.last_hidden_state, rtol=1e-5, atol=1e-5
+        )
+        torch.testing.assert_close(
+            packed.merged[merged_start : merged_start + h * w // 4], alone.merged, rtol=1e-5, atol=1e-5
+        )
         start += h * w
         merged_start += h * w // 4
 
@@ -260,14 +266,17 @@ def test_flash_path_calls_varlen_kernel_with_int32_cu_seqlens(monkeypatch):
         calls.append(cu_seqlens_q.tolist())
         out = torch.empty_like(q)
         bounds = cu_seqlens_q.tolist()
-        for s, e in zip(bounds[:-1], bounds[1:]):
+        for s, e in itertools.pairwise(bounds):
             scores = torch.einsum("qhd,khd->hqk", q[s:e], k[s:e]) * softmax_scale
             out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v[s:e])
         return out
 
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=varlen))
     monkeypatch.setattr(attention, "flash_attn_installed", lambda: True)
-    monkeypatch.setattr(attention, "_flash_unavailable_reason", lambda device, dtype: None)
+    flash = attention._BACKENDS["flash_attention_2"]
+    monkeypatch.setitem(
+        attention._BACKENDS, "flash_attention_2", dataclasses.replace(flash, unavailable=lambda d, t: None)
+    )
     model = tiny_model()
     pixels, grids = random_pack([(2, 2), (4, 6)])
     flash = run(model, pixels, grids, "flash_attention_2").last_hidden_state
@@ -284,7 +293,10 @@ def test_compiles_as_one_graph_with_a_precomputed_grid():
     compiled = torch.compile(model, fullgraph=True)
     with torch.no_grad():
         torch.testing.assert_close(
-            compiled(pixels, grid=grid).last_hidden_state, model(pixels, grid=grid).last_hidden_state, rtol=1e-4, atol=1e-4
+            compiled(pixels, grid=grid).last_hidden_state,
+            model(pixels, grid=grid).last_hidden_state,
+            rtol=1e-4,
+            atol=1e-4,
         )
 
 

@@ -7,9 +7,10 @@ import pytest
 import torch
 from PIL import Image, ImageFile
 
+from moonvit.encode import EncodedImage, encode_images, iter_encode_images
+from moonvit.media.packing import pack_images
+from moonvit.media.processor import ImageLoadError, MoonViTImageProcessor
 from moonvit.model import MoonViT
-from moonvit.packing import EncodedImage, encode_images, iter_encode_images, pack_images
-from moonvit.processor import ImageLoadError, MoonViTImageProcessor
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,7 @@ def test_encoder_never_sees_more_than_the_budget(encoder, monkeypatch):
     seen = []
     forward = encoder.forward
 
-    def spy(pixel_values, grid_hws, **kwargs):
+    def spy(pixel_values, grid_hws=None, **kwargs):
         seen.append(pixel_values.shape[0])
         return forward(pixel_values, grid_hws, **kwargs)
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moonvit.position import LearnablePositionTable, bicubic_resample_taps
+from moonvit.model.position import LearnablePositionTable, bicubic_resample_taps
 
 GRIDS = [(1, 1), (1, 7), (2, 2), (3, 5), (17, 200), (63, 65), (64, 64), (96, 128), (512, 2)]
 

@@ -48,8 +48,9 @@ def test_features_are_the_same_alone_and_inside_a_pack():
 def test_small_budget_packs_give_the_same_features():
     model, sources = tiny_model(0), images(5)
     whole = extract_features(model, MoonViTImageProcessor(), sources, ["mean"], resize=ResizePolicy(112))
-    split = extract_features(model, MoonViTImageProcessor(), sources, ["mean"], resize=ResizePolicy(112),
-                             max_patches_per_pack=128)  # two 8x8-patch images per pack
+    split = extract_features(
+        model, MoonViTImageProcessor(), sources, ["mean"], resize=ResizePolicy(112), max_patches_per_pack=128
+    )  # two 8x8-patch images per pack
     torch.testing.assert_close(split["mean"], whole["mean"], atol=1e-5, rtol=1e-5)
 
 
@@ -92,22 +93,39 @@ def test_cache_is_hit_on_a_second_run_and_missed_on_changes(tmp_path, count_forw
     assert features(frozen(0), view="merged-mean")[1]  # extracted by the first forward
     assert not features(frozen(1))[1]  # other weights
     assert not features(frozen(0), resize=ResizePolicy(84))[1]  # other preprocessing
-    other_processor = FrozenEncoder(frozen(0).model, MoonViTImageProcessor(image_mean=(0.4, 0.4, 0.4)), "x",
-                                    frozen(0).hash)
+    other_processor = FrozenEncoder(
+        frozen(0).model, MoonViTImageProcessor(image_mean=(0.4, 0.4, 0.4)), "x", frozen(0).hash
+    )
     assert not features(other_processor)[1]
-    assert not split_features(frozen(0), Split(images(6, seed=1), split.labels), "mean", dataset="toy",
-                              split_name="train", resize=ResizePolicy(56), cache=cache)[1]  # other images
+    assert not split_features(
+        frozen(0),
+        Split(images(6, seed=1), split.labels),
+        "mean",
+        dataset="toy",
+        split_name="train",
+        resize=ResizePolicy(56),
+        cache=cache,
+    )[1]  # other images
 
 
 def test_last4_needs_four_blocks(tmp_path):
     with pytest.raises(ValueError, match="last4"):
-        split_features(frozen(0), Split(images(2), np.arange(2)), "last4", dataset="toy", split_name="train",
-                       resize=ResizePolicy(56), cache=FeatureCache(tmp_path))
+        split_features(
+            frozen(0),
+            Split(images(2), np.arange(2)),
+            "last4",
+            dataset="toy",
+            split_name="train",
+            resize=ResizePolicy(56),
+            cache=FeatureCache(tmp_path),
+        )
 
 
 def test_preset_hash_depends_on_seed_and_needs_random_init():
-    first, again = load_frozen_encoder(preset="tiny", random_init=True, seed=0), load_frozen_encoder(
-        preset="tiny", random_init=True, seed=0)
+    first, again = (
+        load_frozen_encoder(preset="tiny", random_init=True, seed=0),
+        load_frozen_encoder(preset="tiny", random_init=True, seed=0),
+    )
     assert first.hash == again.hash
     assert load_frozen_encoder(preset="tiny", random_init=True, seed=1).hash != first.hash
     assert not first.model.training

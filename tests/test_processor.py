@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import ExifTags, Image, ImageOps
 
-from moonvit.processor import (
+from moonvit.media.processor import (
     CONFIG_NAME,
     ImageLoadError,
     ImageTooLargeError,

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import SafeOpenSpy, random_pack, randomize_, tiny_model, write_kimi_vl_folder
 from safetensors.torch import load_file, save_file
 
-import moonvit.checkpoint as moonvit_checkpoint
+import moonvit.weights.checkpoint as moonvit_checkpoint
 import projector.model as projector_model
 from moonvit import CheckpointError, MoonViT
 from projector import MoonViTProjector, ProjectorConfig
@@ -115,7 +115,7 @@ def test_config_validation_and_for_encoder():
 # ---- parity with transformers -------------------------------------------------------
 
 kimi_k25 = pytest.importorskip("transformers.models.kimi_k25.modeling_kimi_k25")
-from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config  # noqa: E402
+from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
 
 
 def to_transformers(projector):

@@ -1,6 +1,6 @@
 import torch
 
-from moonvit.rope import apply_rope, rope_frequencies, rope_rotation
+from moonvit.model.rope import apply_rope, rope_frequencies, rope_rotation
 
 
 def test_frequencies_of_the_released_head_dim():
@@ -29,7 +29,8 @@ def test_matches_complex_multiplication():
     freqs = rope_frequencies(head_dim, 10000.0)
     angle = torch.stack([positions[:, 1:].float() * freqs, positions[:, :1].float() * freqs], -1).flatten(1)
     expected = torch.view_as_real(
-        torch.view_as_complex(x.reshape(-1, heads, head_dim // 2, 2)) * torch.polar(torch.ones_like(angle), angle)[:, None]
+        torch.view_as_complex(x.reshape(-1, heads, head_dim // 2, 2))
+        * torch.polar(torch.ones_like(angle), angle)[:, None]
     ).reshape(x.shape)
     torch.testing.assert_close(apply_rope(x, rope_rotation(positions, head_dim, 10000.0)), expected)
 

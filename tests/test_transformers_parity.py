@@ -6,7 +6,7 @@ import torch
 from helpers import random_pack, tiny_model
 
 pytest.importorskip("transformers.models.kimi_k25.modeling_kimi_k25")
-from moonvit.interop import to_transformers  # noqa: E402
+from moonvit.weights.transformers import to_transformers
 
 
 def forward_both(model, theirs, pixels, grids):

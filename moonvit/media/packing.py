@@ -1,10 +1,9 @@
-"""Token-budget packing of long image lists, and the :func:`encode_images` one-liner.
+"""Token-budget packing of long image lists.
 
 :func:`pack_images` groups images, in input order and each one whole, into packs of at most
 ``max_patches_per_pack`` patches, planning every image from its size alone (file headers, not
-pixels). :func:`iter_encode_images` then decodes and encodes one pack at a time and moves each
-image's merged tokens off to ``output_device``, so the encoder's working set is bounded by the
-budget, not by the length of the list.
+pixels). :mod:`moonvit.encode` then decodes and encodes one pack at a time, so the encoder's
+working set is bounded by the budget, not by the length of the list.
 """
 
 from __future__ import annotations
@@ -13,19 +12,14 @@ import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-import torch
-from torch import nn
-
-from .processor import ImageInput, ImagePlan, MoonViTImageProcessor, image_size, is_image
+from .image import ImageInput, image_size, is_image
+from .processor import ImagePlan, MoonViTImageProcessor
 
 __all__ = [
     "DEFAULT_MAX_PATCHES_PER_PACK",
-    "EncodedImage",
     "Pack",
     "PackItem",
-    "encode_images",
     "group_into_packs",
-    "iter_encode_images",
     "pack_images",
     "plan_pack_item",
 ]
@@ -76,24 +70,6 @@ class Pack:
         return sum(item.plan.num_patches for item in self.items)
 
 
-@dataclass(frozen=True)
-class EncodedImage:
-    """The encoder's output for one input image.
-
-    Attributes:
-        index: position in the input.
-        tokens: (rows * cols / 4, 4, D) merged tokens, in the encoder's dtype, on the chosen
-            output device.
-        grid_hw: (rows, cols) patch grid the image was encoded at.
-        rescaled: whether it was scaled below the processor's size to fit the pack budget.
-    """
-
-    index: int
-    tokens: torch.Tensor
-    grid_hw: tuple[int, int]
-    rescaled: bool
-
-
 def pack_images(
     images: ImageInput | Iterable[ImageInput],
     processor: MoonViTImageProcessor,
@@ -114,7 +90,7 @@ def pack_images(
     group = processor.merge_kernel_size[0] * processor.merge_kernel_size[1]
     if max_patches_per_pack < group:
         raise ValueError(f"max_patches_per_pack must hold at least one merged token ({group} patches)")
-    sources = [images] if is_image(images) else images
+    sources: Iterable[ImageInput] = [images] if is_image(images) else images  # type: ignore[list-item,assignment]
     items = (plan_pack_item(index, source, processor, max_patches_per_pack) for index, source in enumerate(sources))
     yield from group_into_packs(items, max_patches_per_pack)
 
@@ -151,7 +127,11 @@ def plan_pack_item(index: int, source: ImageInput, processor: MoonViTImageProces
     plan = processor.plan_image(*size, in_token_limit=limit)
     logger.info(
         "image %d (%dx%d px) scaled to %dx%d px (%d patches) to fit max_patches_per_pack=%d",
-        index, *size, *plan.resized_size, plan.num_patches, budget,
+        index,
+        *size,
+        *plan.resized_size,
+        plan.num_patches,
+        budget,
     )
     return PackItem(index, source, plan, limit)
 
@@ -177,58 +157,3 @@ def _fit_token_limit(processor: MoonViTImageProcessor, size: tuple[int, int], bu
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
     return low
-
-
-def iter_encode_images(
-    encoder: nn.Module,
-    processor: MoonViTImageProcessor,
-    images: ImageInput | Iterable[ImageInput],
-    *,
-    max_patches_per_pack: int = DEFAULT_MAX_PATCHES_PER_PACK,
-    output_device: torch.device | str = "cpu",
-) -> Iterator[EncodedImage]:
-    """Encode ``images`` pack by pack, yielding each image's result, in input order.
-
-    Only the images of the pack being encoded are decoded; each pack's merged tokens are moved
-    to ``output_device`` before the next pack starts. Runs without autograd, with the encoder in
-    whatever mode it is (call ``.eval()`` first).
-
-    Args:
-        encoder: a MoonViT: ``encoder(pixel_values, grid_hws).merged`` is (L / 4, 4, D).
-        processor: turns images into ``pixel_values`` and ``grid_hws``.
-        images: one image or an iterable of them (see :data:`ImageInput`), consumed lazily.
-        max_patches_per_pack: patch budget per encoder forward (see :func:`pack_images`).
-        output_device: where the results are put.
-    """
-    device = next(encoder.parameters()).device
-    for pack in pack_images(images, processor, max_patches_per_pack):
-        batch = processor(
-            [item.source for item in pack.items],
-            in_token_limit=[item.in_token_limit for item in pack.items],
-        )
-        with torch.no_grad():
-            merged = encoder(batch.pixel_values.to(device), batch.grid_hws).merged.to(output_device)
-        grids = batch.grid_hws.tolist()
-        group = merged.shape[1]
-        for item, grid, tokens in zip(pack.items, grids, merged.split([h * w // group for h, w in grids])):
-            yield EncodedImage(item.index, tokens, (grid[0], grid[1]), item.rescaled)
-
-
-def encode_images(
-    encoder: nn.Module,
-    processor: MoonViTImageProcessor,
-    images: ImageInput | Iterable[ImageInput],
-    *,
-    max_patches_per_pack: int = DEFAULT_MAX_PATCHES_PER_PACK,
-    output_device: torch.device | str = "cpu",
-) -> list[torch.Tensor]:
-    """Encode images of any sizes: one (rows_i * cols_i / 4, 4, D) tensor of merged tokens per image.
-
-    Same arguments as :func:`iter_encode_images`, which this collects.
-    """
-    return [
-        result.tokens
-        for result in iter_encode_images(
-            encoder, processor, images, max_patches_per_pack=max_patches_per_pack, output_device=output_device
-        )
-    ]

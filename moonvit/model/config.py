@@ -1,4 +1,4 @@
-"""Configuration of the MoonViT encoder, its presets, and reading Kimi-VL configs."""
+"""Configuration of the MoonViT encoder and its presets."""
 
 from __future__ import annotations
 
@@ -6,22 +6,36 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-ATTN_IMPLEMENTATIONS = ("auto", "flash_attention_2", "sdpa", "eager")
+from ..files import write_text_atomic
+from .attention import check_attn_name
+
+C = TypeVar("C", bound="DictConfig")
 
 
 class DictConfig:
     """``to_dict`` / ``from_dict`` for the config dataclasses (config.json files)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]):
+    def from_dict(cls: type[C], values: dict[str, Any]) -> C:
         """Build from a dict, ignoring keys that are not fields (checkpoint configs carry extras)."""
-        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        names = {f.name for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
         return cls(**{k: v for k, v in values.items() if k in names})
+
+
+def merge_kernel(value: Any) -> tuple[int, int]:
+    """A patch merger's (kh, kw) as two positive ints, from a pair (a JSON list, say) or one int k (k x k)."""
+    try:
+        kh, kw = (value, value) if isinstance(value, int) else (int(k) for k in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"merge_kernel_size must be two positive ints, got {value!r}") from None
+    if kh < 1 or kw < 1:
+        raise ValueError(f"merge_kernel_size must be two positive ints, got {value!r}")
+    return kh, kw
 
 
 @dataclass
@@ -31,6 +45,10 @@ class MoonViTConfig(DictConfig):
     Field names follow Kimi-VL's ``vision_config`` so that a config read from a
     checkpoint maps one to one; the defaults are the released model
     (SigLIP-SO400M dimensions).
+
+    ``drop_path_rate`` is a training option (stochastic depth, drawn per image,
+    growing linearly with depth to this rate at the last block); it has no
+    effect in eval mode.
     """
 
     patch_size: int = 14
@@ -45,31 +63,34 @@ class MoonViTConfig(DictConfig):
     rope_theta: float = 10000.0
     max_grid_side: int = 512
     layer_norm_eps: float = 1e-5
+    drop_path_rate: float = 0.0
     attn_implementation: str = "auto"
     model_type: str = field(default="moonvit", init=False)
 
     def __post_init__(self) -> None:
-        self.merge_kernel_size = tuple(int(k) for k in self.merge_kernel_size)
-        if len(self.merge_kernel_size) != 2 or min(self.merge_kernel_size) < 1:
-            raise ValueError(f"merge_kernel_size must be two positive ints, got {self.merge_kernel_size}")
+        self.merge_kernel_size = merge_kernel(self.merge_kernel_size)
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
             )
         if self.head_dim % 4:
             raise ValueError(f"2D RoPE needs head_dim divisible by 4, got {self.head_dim}")
-        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
-            raise ValueError(
-                f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {self.attn_implementation!r}"
-            )
+        if not 0.0 <= self.drop_path_rate < 1.0:
+            raise ValueError(f"drop_path_rate must lie in [0, 1), got {self.drop_path_rate}")
+        check_attn_name(self.attn_implementation)
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def tokens_per_merge(self) -> int:
+        """kh * kw, the patches that become one merged token."""
+        return self.merge_kernel_size[0] * self.merge_kernel_size[1]
+
     def save(self, folder: str | Path) -> None:
-        path = Path(folder) / "config.json"
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Write ``config.json`` into ``folder`` (atomically)."""
+        write_text_atomic(Path(folder) / "config.json", json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 PRESETS: dict[str, dict[str, Any]] = {

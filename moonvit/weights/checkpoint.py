@@ -10,27 +10,27 @@ Two layouts are read from a local folder:
   with the encoder fields at the top level and unprefixed tensor names in
   ``model.safetensors``.
 
-Module names in :class:`~moonvit.model.MoonViT` equal Kimi-VL's names without
+Module names in :class:`~moonvit.model.encoder.MoonViT` equal Kimi-VL's names without
 the ``vision_tower.`` prefix, so no renaming is involved.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn as nn
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from .config import MoonViTConfig
+from ..files import save_safetensors_atomic
+from ..model.config import MoonViTConfig
 
 if TYPE_CHECKING:
-    from .model import MoonViT
+    from ..model.encoder import MoonViT
 
 KIMI_VL_PREFIX = "vision_tower."
 SINGLE_FILE = "model.safetensors"
@@ -78,16 +78,16 @@ def tensor_files(folder: Path, prefix: str) -> dict[Path, list[str]]:
     if not single.is_file():
         raise CheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
     with safe_open(single, framework="pt") as f:
-        return {single: [name for name in f.keys() if name.startswith(prefix)]}
+        return {single: [name for name in f.keys() if name.startswith(prefix)]}  # noqa: SIM118 (a safe_open handle, not a dict)
 
 
 def load_pretrained(
-    cls: type["MoonViT"],
+    cls: type[MoonViT],
     path: str | Path,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     attn_implementation: str = "auto",
-) -> "MoonViT":
+) -> MoonViT:
     """Build ``cls`` from a checkpoint folder, reading only the vision tensors (see :func:`assign_from_files`)."""
     folder = Path(path)
     if not folder.is_dir():
@@ -159,7 +159,7 @@ def assign_from_files(
     return model.eval()
 
 
-def update_weights_digest(digest: "hashlib._Hash", module: nn.Module, prefix: str = "") -> None:
+def update_weights_digest(digest: Any, module: nn.Module, prefix: str = "") -> None:
     """Feed every state-dict tensor's name, dtype, shape and bytes, in sorted name order, to ``digest``.
 
     Two modules give the same digest exactly when their weights are identical.
@@ -170,10 +170,10 @@ def update_weights_digest(digest: "hashlib._Hash", module: nn.Module, prefix: st
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
-def save_pretrained(model: "MoonViT", path: str | Path) -> None:
+def save_pretrained(model: MoonViT, path: str | Path) -> None:
     """Write the model's ``config.json`` and ``model.safetensors`` to the folder ``path``."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     model.config.save(folder)
-    state = {name: tensor.detach().contiguous().cpu() for name, tensor in model.state_dict().items()}
-    save_file(state, folder / SINGLE_FILE, metadata={"format": "pt"})
+    state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
+    save_safetensors_atomic(state, folder / SINGLE_FILE)

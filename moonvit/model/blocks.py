@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import ATTENTION_FUNCTIONS
+from .attention import get_attention
 from .chunking import map_row_chunks
 from .grid import PackedGrid
 from .rope import apply_rope
@@ -36,12 +36,26 @@ class MLP(nn.Module):
         return self.fc1(F.gelu(self.fc0(x), approximate="tanh"))
 
 
-class Block(nn.Module):
-    """x + wo(attn(norm0(x))), then x + mlp(norm1(x)), on packed (L, D) rows."""
+def drop_path_per_item(branch: torch.Tensor, grid: PackedGrid, rate: float) -> torch.Tensor:
+    """Stochastic depth with one draw per item of the pack: each image's (or clip's)
+    rows of ``branch`` (L, D) are all zeroed with probability ``rate``, or all kept and
+    scaled by 1 / (1 - rate). Per image, not per row or per pack, as for a batch of
+    separate images."""
+    keep = torch.rand(grid.num_images, device=branch.device) >= rate
+    scale = keep.to(branch.dtype) / (1.0 - rate)
+    return branch * scale.index_select(0, grid.item_index).unsqueeze(1)
 
-    def __init__(self, dim: int, num_heads: int, mlp_dim: int, eps: float) -> None:
+
+class Block(nn.Module):
+    """x + wo(attn(norm0(x))), then x + mlp(norm1(x)), on packed (L, D) rows.
+
+    ``drop_path`` > 0 adds per-image stochastic depth to both branches in training mode.
+    """
+
+    def __init__(self, dim: int, num_heads: int, mlp_dim: int, eps: float, drop_path: float = 0.0) -> None:
         super().__init__()
         self.num_heads = num_heads
+        self.drop_path = drop_path
         self.norm0 = nn.LayerNorm(dim, eps=eps)
         self.wqkv = nn.Linear(dim, 3 * dim)
         self.wo = nn.Linear(dim, dim)
@@ -53,9 +67,12 @@ class Block(nn.Module):
         # wqkv's output is laid out [q | k | v], each (heads, head_dim).
         q, k, v = self.wqkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(1)
         q, k = apply_rope(q, grid.rope_rotation), apply_rope(k, grid.rope_rotation)
-        out = ATTENTION_FUNCTIONS[attn_implementation](q, k, v, grid)
+        out = get_attention(attn_implementation)(q, k, v, grid)
         return self.wo(out.flatten(1))
 
     def forward(self, x: torch.Tensor, grid: PackedGrid, attn_implementation: str) -> torch.Tensor:
+        if self.training and self.drop_path > 0:
+            x = x + drop_path_per_item(self.attention(self.norm0(x), grid, attn_implementation), grid, self.drop_path)
+            return x + drop_path_per_item(self.mlp(self.norm1(x)), grid, self.drop_path)
         x = x + self.attention(self.norm0(x), grid, attn_implementation)
         return x + self.mlp(self.norm1(x))

@@ -2,7 +2,7 @@
 
 One process, the contenders interleaved on the same weights and packs:
 
-    python -m moonvit.bench --depth 4 --threads 2 --out benchmarks/results/bench_cpu.md
+    python benchmarks/bench_cpu.py --depth 4 --threads 2 --out benchmarks/results/bench_cpu.md
 
 prints the machine's matmul peak (fp32, bf16), then per pack and dtype:
 patches/s at --depth and scaled to 27 blocks, images/s, MFU (matmul FLOPs incl. attention over the measured
@@ -16,76 +16,24 @@ and the peak memory a forward adds (Linux).
 from __future__ import annotations
 
 import argparse
-import ctypes
-import re
 import statistics
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
+from common import PACKS, host_line, matmul_peak, mib, model_flops, peak_extra_bytes, seconds
 
-from .config import preset_config
-from .model import MoonViT
-
-PACKS: dict[str, list[tuple[int, int]]] = {
-    "448x448 (32x32)": [(32, 32)],
-    "mixed 4": [(32, 32), (24, 40), (16, 16), (48, 36)],
-    "32 small (16x16)": [(16, 16)] * 32,
-    "896x896 (64x64)": [(64, 64)],
-}
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+from moonvit import MoonViT, preset_config
+from moonvit.cli import DTYPES, apply_threads, dtype_name, positive_int
+from moonvit.weights.transformers import to_transformers
 
 
-def matmul_peak(dtype: torch.dtype, n: int = 4096, repeats: int = 3) -> float:
-    """Best FLOP/s of an n x n x n matmul."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
-    best = min(_seconds(lambda: a @ b) for _ in range(repeats))
-    return 2 * n**3 / best
-
-
-def model_flops(grids: list[tuple[int, int]], hidden: int, mlp: int, depth: int, patch: int = 14) -> float:
-    """Matmul FLOPs of one forward: patch embedding, projections, MLP and attention."""
-    patches = sum(h * w for h, w in grids)
-    per_block = 2 * patches * (4 * hidden * hidden + 2 * hidden * mlp) + sum(4 * (h * w) ** 2 * hidden for h, w in grids)
-    return 2 * patches * 3 * patch * patch * hidden + depth * per_block
-
-
-def peak_extra_bytes(fn: Callable[[], object]) -> int | None:
-    """Resident memory that one call of ``fn`` adds at its peak, or None where it cannot be read.
-
-    Linux: free memory goes back to the system, the high-water mark is reset,
-    and the mark after the call is compared with the resident size before it.
-    """
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        before = _proc_status_bytes("VmRSS")
-        fn()
-        return _proc_status_bytes("VmHWM") - before
-    except (OSError, AttributeError, ValueError):
-        return None
-
-
-def _proc_status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        match = re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M)
-    if match is None:
-        raise ValueError(f"{key} not in /proc/self/status")
-    return int(match.group(1)) * 1024
-
-
-def _mib(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / 2**20:.0f}"
-
-
-def _seconds(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def dtype_choice(text: str) -> str:
+    name = dtype_name(text)
+    if name not in ("bf16", "fp32"):
+        raise argparse.ArgumentTypeError(f"--dtypes takes bf16 and fp32, got {text}")
+    return name
 
 
 def build(depth: int, dtype: torch.dtype) -> dict[str, Callable]:
@@ -95,8 +43,6 @@ def build(depth: int, dtype: torch.dtype) -> dict[str, Callable]:
     encoder), ``ours_default`` runs as constructed (grid cache only),
     ``ours_new_grid`` clears every cache first, ``peer`` is transformers'.
     """
-    from .interop import to_transformers
-
     torch.manual_seed(0)
     model = MoonViT(preset_config("so400m", num_hidden_layers=depth, attn_implementation="sdpa")).to(dtype).eval()
     peer = to_transformers(model)
@@ -132,14 +78,15 @@ def time_interleaved(contenders: dict[str, Callable], pixels, grids, repeats: in
             fn(pixels, grids)  # warm-up
         for _ in range(repeats):
             for name, fn in contenders.items():
-                times[name].append(_seconds(lambda: fn(pixels, grids)))
+                times[name].append(seconds(lambda: fn(pixels, grids)))
     return {name: statistics.median(values) for name, values in times.items()}
 
 
 def memory_scaling(contenders: dict[str, Callable], counts: tuple[int, ...] = (8, 32, 128)) -> list[str]:
     """Peak memory of packs of 16x16 images: linear in patches when nothing is (L, L)."""
     lines = [
-        "| pack | patches | " + " | ".join(f"{name} peak MiB" for name in contenders)
+        "| pack | patches | "
+        + " | ".join(f"{name} peak MiB" for name in contenders)
         + " | one (L, L) bf16 score matrix, MiB |",
         "|---|---|" + "---|" * len(contenders) + "---|",
     ]
@@ -150,7 +97,7 @@ def memory_scaling(contenders: dict[str, Callable], counts: tuple[int, ...] = (8
         with torch.inference_mode():
             for fn in contenders.values():
                 fn(pixels, grids)
-            peaks = [_mib(peak_extra_bytes(lambda: fn(pixels, grids))) for fn in contenders.values()]
+            peaks = [mib(peak_extra_bytes(lambda: fn(pixels, grids))) for fn in contenders.values()]
         square = (count * 256) ** 2 * 2 / 2**20
         lines.append(f"| {count} x 256 | {count * 256} | " + " | ".join(peaks) + f" | {square:.0f} |")
         print(lines[-1], flush=True)
@@ -179,18 +126,33 @@ def profile_shares(fn: Callable, pixels: torch.Tensor, grids: torch.Tensor) -> d
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m moonvit.bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--depth", type=int, default=4, help="blocks to run (MFU is scaled to 27)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp32"])
+    parser = argparse.ArgumentParser(prog="python benchmarks/bench_cpu.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--depth", type=positive_int, default=4, help="blocks to run; MFU is scaled to 27 (default: 4)")
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=torch.get_num_threads(),
+        help=f"torch CPU threads (default: {torch.get_num_threads()})",
+    )
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per contender (default: 5)")
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        type=dtype_choice,
+        default=["bf16", "fp32"],
+        help="dtypes to time: bf16, fp32 (default: both)",
+    )
     parser.add_argument("--out", type=Path, help="also write the tables (markdown) here")
     parser.add_argument("--no-extras", action="store_true", help="skip the memory-scaling and profile tables")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     cfg = preset_config("so400m")
 
-    lines = [f"torch {torch.__version__}, {args.threads} threads, depth {args.depth} (MFU scaled to 27 blocks)", ""]
+    lines = [
+        f"host: {host_line()}",
+        f"torch {torch.__version__}, {args.threads} threads, depth {args.depth} (MFU scaled to 27 blocks)",
+        "",
+    ]
     peaks = {name: matmul_peak(DTYPES[name]) for name in args.dtypes}
     lines += ["matmul peak 4096^3: " + ", ".join(f"{n} {p / 1e9:.0f} GFLOP/s" for n, p in peaks.items()), ""]
     lines += [
@@ -200,8 +162,8 @@ def main(argv: list[str] | None = None) -> None:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines))
-    for dtype_name in args.dtypes:
-        dtype = DTYPES[dtype_name]
+    for dtype_key in args.dtypes:
+        dtype = DTYPES[dtype_key]
         contenders = build(args.depth, dtype)
         full = {name: contenders[name] for name in ("ours", "peer")}
         empty = build(0, dtype)
@@ -218,14 +180,14 @@ def main(argv: list[str] | None = None) -> None:
                 per_block = max(timed[name] - fixed[name], 1e-9) / max(args.depth, 1)
                 full_time = fixed[name] + cfg.num_hidden_layers * per_block
                 flops = model_flops(grid_list, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers)
-                row[name] = (patches / timed[name], flops / full_time / peaks[dtype_name], fixed[name] * 1e3, full_time)
+                row[name] = (patches / timed[name], flops / full_time / peaks[dtype_key], fixed[name] * 1e3, full_time)
             ours, peer = row["ours"], row["peer"]
             line = (
-                f"| {pack_name} | {dtype_name} | {ours[0]:.0f} | {peer[0]:.0f} | {ours[0] / peer[0]:.2f}x | "
+                f"| {pack_name} | {dtype_key} | {ours[0]:.0f} | {peer[0]:.0f} | {ours[0] / peer[0]:.2f}x | "
                 f"{patches / ours[3]:.0f} | {patches / peer[3]:.0f} | {len(grid_list) / ours[3]:.2f} | "
                 f"{ours[1]:.0%} | {peer[1]:.0%} | {ours[2]:.1f} | {fixed['ours_default'] * 1e3:.1f} | "
                 f"{fixed['ours_new_grid'] * 1e3:.1f} | "
-                f"{peer[2]:.1f} | {ours[2] / peer[2]:.2f} | {_mib(peak['ours'])} | {_mib(peak['peer'])} |"
+                f"{peer[2]:.1f} | {ours[2] / peer[2]:.2f} | {mib(peak['ours'])} | {mib(peak['peer'])} |"
             )
             print(line, flush=True)
             lines.append(line)
@@ -248,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
             lines.append(line)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        command = " ".join(["python -m moonvit.bench", *(sys.argv[1:] if argv is None else argv)])
+        command = " ".join(["python benchmarks/bench_cpu.py", *(sys.argv[1:] if argv is None else argv)])
         args.out.write_text(f"```\n{command}\n```\n\n" + "\n".join(lines) + "\n")
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -14,24 +15,27 @@ from torch.utils.checkpoint import checkpoint
 from .attention import check_attn_implementation, resolve_attn_implementation
 from .blocks import Block
 from .config import MoonViTConfig, preset_config
-from .grid import PackedGrid, build_packed_grid, clear_grid_cache
+from .grid import GridCache, GridInput, PackedGrid, build_packed_grid
 from .position import LearnablePositionTable
 
 
 @dataclass
 class MoonViTOutput:
-    """Encoder outputs for a pack of N images with L patches.
+    """Encoder outputs for a pack of N items with L packed rows.
 
     Attributes:
         last_hidden_state: (L, D) after the final LayerNorm, in input order.
-        merged: (L / 4, 4, D) the 2x2 patch merger's groups, image after image,
-            merged tokens in raster order, each group (0,0), (0,1), (1,0), (1,1).
+        merged: (S / 4, 4, D) the 2x2 patch merger's groups (S = sum of h * w),
+            item after item, merged tokens in raster order, each group (0,0),
+            (0,1), (1,0), (1,1); a clip's frames are averaged first. None when
+            patches were dropped (a training grid with ``keep``).
         hidden_states: with ``output_hidden_states``, num_hidden_layers + 1 tensors
-            of (L, D): the embeddings, then each block's output (before the final norm).
+            of (L, D): the embeddings, then each block's output (before the final
+            norm); with ``hidden_state_indices``, only those entries, in the order asked.
     """
 
     last_hidden_state: torch.Tensor
-    merged: torch.Tensor
+    merged: torch.Tensor | None
     hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
@@ -42,9 +46,7 @@ class PatchEmbed(nn.Module):
         super().__init__()
         p = config.patch_size
         self.proj = nn.Conv2d(config.num_channels, config.hidden_size, kernel_size=p, stride=p)
-        self.pos_emb = LearnablePositionTable(
-            config.init_pos_emb_height, config.init_pos_emb_width, config.hidden_size
-        )
+        self.pos_emb = LearnablePositionTable(config.init_pos_emb_height, config.init_pos_emb_width, config.hidden_size)
 
     def forward(self, pixel_values: torch.Tensor, grid: PackedGrid) -> torch.Tensor:
         """(L, 3, p, p) -> (L, D)."""
@@ -61,25 +63,40 @@ class Encoder(nn.Module):
 
     def __init__(self, config: MoonViTConfig) -> None:
         super().__init__()
+        depth = config.num_hidden_layers
+        # Stochastic depth grows linearly from 0 at the first block to the rate at the last.
+        rates = [config.drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
         self.blocks = nn.ModuleList(
-            Block(config.hidden_size, config.num_attention_heads, config.intermediate_size, config.layer_norm_eps)
-            for _ in range(config.num_hidden_layers)
+            Block(
+                config.hidden_size,
+                config.num_attention_heads,
+                config.intermediate_size,
+                config.layer_norm_eps,
+                drop_path=rate,
+            )
+            for rate in rates
         )
         self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.gradient_checkpointing = False
 
     def forward(
-        self, x: torch.Tensor, grid: PackedGrid, attn_implementation: str, output_hidden_states: bool = False
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        hidden_states = [x] if output_hidden_states else None
-        for block in self.blocks:
+        self,
+        x: torch.Tensor,
+        grid: PackedGrid,
+        attn_implementation: str,
+        keep_hidden: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run the blocks; returns the normed output and the hidden states whose indices
+        (0 = embeddings, i = block i's output) are in ``keep_hidden``."""
+        hidden = {0: x} if 0 in keep_hidden else {}
+        for i, block in enumerate(self.blocks, start=1):
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, grid, attn_implementation, use_reentrant=False)
             else:
                 x = block(x, grid, attn_implementation)
-            if hidden_states is not None:
-                hidden_states.append(x)
-        return self.final_layernorm(x), None if hidden_states is None else tuple(hidden_states)
+            if i in keep_hidden:
+                hidden[i] = x
+        return self.final_layernorm(x), hidden
 
 
 class MoonViT(nn.Module):
@@ -96,11 +113,12 @@ class MoonViT(nn.Module):
         self.config = config
         self.patch_embed = PatchEmbed(config)
         self.encoder = Encoder(config)
+        self.grid_cache = GridCache()
         self.apply(_init_weights)
 
     # ---- construction -------------------------------------------------------------
     @classmethod
-    def from_preset(cls, name: str, **overrides) -> "MoonViT":
+    def from_preset(cls, name: str, **overrides: Any) -> MoonViT:
         """A randomly initialised encoder of a named size: ``so400m``, ``small`` or ``tiny``."""
         return cls(preset_config(name, **overrides))
 
@@ -111,19 +129,19 @@ class MoonViT(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         attn_implementation: str = "auto",
-    ) -> "MoonViT":
+    ) -> MoonViT:
         """Load from a local folder: a Kimi-VL checkpoint or this project's format.
 
         Only the vision tower's tensors are read; ``dtype`` defaults to the
         checkpoint's. The model is returned in eval mode.
         """
-        from .checkpoint import load_pretrained
+        from ..weights.checkpoint import load_pretrained
 
         return load_pretrained(cls, path, dtype=dtype, device=device, attn_implementation=attn_implementation)
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` to the folder ``path``."""
-        from .checkpoint import save_pretrained
+        from ..weights.checkpoint import save_pretrained
 
         save_pretrained(self, path)
 
@@ -137,7 +155,7 @@ class MoonViT(nn.Module):
         return self.patch_embed.proj.weight.device
 
     def set_attn_implementation(self, attn_implementation: str) -> None:
-        """Switch the attention backend: auto, flash_attention_2, sdpa or eager."""
+        """Switch the attention backend: ``auto`` or a registered one (flash_attention_2, sdpa, eager)."""
         check_attn_implementation(attn_implementation)
         self.config.attn_implementation = attn_implementation
 
@@ -161,48 +179,95 @@ class MoonViT(nn.Module):
         self.patch_embed.pos_emb.cache_patches = max_patches
 
     def clear_caches(self) -> None:
-        """Forget cached pack metadata and resampled position tables (they rebuild on demand)."""
-        clear_grid_cache()
+        """Forget this model's cached pack metadata and resampled position tables (they rebuild on demand)."""
+        self.grid_cache.clear()
         self.patch_embed.pos_emb.clear_cache()
 
     # ---- forward ------------------------------------------------------------------
-    def prepare_grid(self, grid_hws: torch.Tensor | Sequence[Sequence[int]]) -> PackedGrid:
-        """Validate ``grid_hws`` (N, 2) and compute the pack's metadata on the model's device.
+    def prepare_grid(self, grid_thws: GridInput, keep: Sequence[torch.Tensor] | None = None) -> PackedGrid:
+        """Validate the pack's grids and compute its metadata on the model's device.
 
-        Pass the result as ``grid=`` to skip that work (and its host sync) in forward.
+        Args:
+            grid_thws: (N, 2) rows (h, w), or (N, 3) rows (t, h, w).
+            keep: training only: per item, the sorted indices of the patches fed
+                (token dropping, MAE); see :func:`~moonvit.model.grid.build_packed_grid`.
+
+        Pass the result as ``grid=`` to skip that work (and its host sync) in
+        forward. Packs without ``keep`` come from a small per-model cache: treat
+        the tensors as read-only.
         """
-        return build_packed_grid(grid_hws, self.config, self.device)
+        if keep is not None:
+            return build_packed_grid(grid_thws, self.config, self.device, keep=keep)
+        return self.grid_cache.get(grid_thws, self.config, self.device)
 
     def forward(
         self,
         pixel_values: torch.Tensor,
-        grid_hws: torch.Tensor | Sequence[Sequence[int]] | None = None,
+        grid_hws: GridInput | None = None,
         *,
         grid: PackedGrid | None = None,
         output_hidden_states: bool = False,
+        hidden_state_indices: Sequence[int] | None = None,
     ) -> MoonViTOutput:
-        """Encode a pack of images.
+        """Encode a pack of images (and clips).
 
         Args:
-            pixel_values: (L, 3, patch, patch) floating, each image's patches in
-                raster order, images concatenated; cast to the model's dtype.
-            grid_hws: (N, 2) integer patch rows and columns of each image.
+            pixel_values: (L, 3, patch, patch) floating, each item's patches in
+                raster order (frame after frame for a clip), items concatenated;
+                cast to the model's dtype.
+            grid_hws: (N, 2) integer patch rows and columns of each image, or
+                (N, 3) rows (t, h, w).
             grid: precomputed :meth:`prepare_grid` output, instead of grid_hws.
             output_hidden_states: also return every block's (L, D) output.
+            hidden_state_indices: return only these entries of the hidden states
+                (0 = embeddings, i = block i's output, negative from the end), e.g.
+                ``(-4, -3, -2, -1)`` for the last four blocks; the others are not kept.
         """
         if grid is None:
             if grid_hws is None:
                 raise TypeError("forward needs grid_hws (N, 2) or a precomputed grid")
             grid = self.prepare_grid(grid_hws)
         self._check_pixel_values(pixel_values, grid)
+        if grid.time_index is not None:
+            raise ValueError(
+                f"the pack holds clips of up to {grid.max_frames} frames, but this encoder has no temporal "
+                "position embedding (Kimi-VL's MoonViT encodes single frames: t = 1)"
+            )
+        selected = self._hidden_indices(output_hidden_states, hidden_state_indices)
         attn_implementation = resolve_attn_implementation(self.config.attn_implementation, self.device, self.dtype)
 
         x = self.patch_embed(pixel_values.to(self.dtype), grid)
-        x, hidden_states = self.encoder(x, grid, attn_implementation, output_hidden_states)
-        kh, kw = self.config.merge_kernel_size
-        # index_select: several times faster than advanced indexing for a row gather on CPU.
-        merged = x.index_select(0, grid.merge_index).unflatten(0, (-1, kh * kw))
-        return MoonViTOutput(last_hidden_state=x, merged=merged, hidden_states=hidden_states)
+        x, hidden = self.encoder(x, grid, attn_implementation, selected)
+        hidden_states = tuple(hidden[i] for i in selected) if selected else None
+        return MoonViTOutput(last_hidden_state=x, merged=self.merge(x, grid), hidden_states=hidden_states)
+
+    def merge(self, x: torch.Tensor, grid: PackedGrid) -> torch.Tensor | None:
+        """The 2x2 merger: (L, D) -> (S / 4, 4, D), frames of a clip averaged first; None for dropped patches."""
+        group = self.config.tokens_per_merge
+        if grid.merge_index is not None:
+            # index_select: several times faster than advanced indexing for a row gather on CPU.
+            return x.index_select(0, grid.merge_index).unflatten(0, (-1, group))
+        if grid.pool_index is None or grid.pool_weight is None:
+            return None
+        # Mean over a clip's frames, accumulated in float32 (float64 stays) and rounded once.
+        compute_dtype = torch.promote_types(x.dtype, torch.float32)
+        weighted = x.to(compute_dtype) * grid.pool_weight.to(compute_dtype).unsqueeze(1)
+        pooled = x.new_zeros(grid.num_slots, x.shape[1], dtype=compute_dtype).index_add_(0, grid.pool_index, weighted)
+        return pooled.to(x.dtype).unflatten(0, (-1, group))
+
+    def _hidden_indices(self, output_hidden_states: bool, indices: Sequence[int] | None) -> tuple[int, ...]:
+        count = self.config.num_hidden_layers + 1
+        if indices is None:
+            return tuple(range(count)) if output_hidden_states else ()
+        resolved = []
+        for index in indices:
+            if not -count <= index < count:
+                raise ValueError(
+                    f"hidden_state_indices: {index} is out of range for {count} hidden states "
+                    f"(the embeddings and {count - 1} blocks)"
+                )
+            resolved.append(index % count)
+        return tuple(resolved)
 
     def _check_pixel_values(self, pixel_values: torch.Tensor, grid: PackedGrid) -> None:
         p, c = self.config.patch_size, self.config.num_channels
@@ -216,10 +281,13 @@ class MoonViT(nn.Module):
         if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != (c, p, p):
             raise ValueError(f"pixel_values must have shape (L, {c}, {p}, {p}), got {tuple(pixel_values.shape)}")
         if pixel_values.shape[0] != grid.num_patches:
-            raise ValueError(
-                f"pixel_values holds {pixel_values.shape[0]} patches but the grids add up to "
-                f"sum(h * w) = {grid.num_patches}"
-            )
+            if grid.dropped:
+                total = f"the grid keeps {grid.num_patches}"
+            elif grid.max_frames == 1:
+                total = f"the grids add up to sum(h * w) = {grid.num_patches}"
+            else:
+                total = f"the grids add up to sum(t * h * w) = {grid.num_patches}"
+            raise ValueError(f"pixel_values holds {pixel_values.shape[0]} patches but {total}")
         if pixel_values.device != self.device:
             raise ValueError(f"pixel_values is on {pixel_values.device}, the model on {self.device}")
 
@@ -227,7 +295,8 @@ class MoonViT(nn.Module):
 def _init_weights(module: nn.Module) -> None:
     if isinstance(module, (nn.Linear, nn.Conv2d)):
         nn.init.trunc_normal_(module.weight, std=0.02)
-        nn.init.zeros_(module.bias)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
     elif isinstance(module, nn.LayerNorm):
         nn.init.ones_(module.weight)
         nn.init.zeros_(module.bias)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -108,14 +108,14 @@ class LearnablePositionTable(nn.Module):
         as F.interpolate does for low-precision inputs.
         """
         key = self._cache_key_now(sizes)
-        if key is None:
+        if key is None or sizes is None:
             return self._resample(taps, tap_weights)
         with self._lock:
             if key != self._cache_key:
                 self._cache.clear()
                 self._cache_key = key
-            parts = [self._cache.get(size) for size in sizes]
-            if all(part is not None for part in parts):
+            parts = [self._cache[size] for size in sizes if size in self._cache]
+            if len(parts) == len(sizes):
                 for size in sizes:
                     self._cache.move_to_end(size)
                 return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25VisionModel
 
-    from .model import MoonViT
+    from ..model.encoder import MoonViT
 
 # Block submodules: ours (Kimi-VL's names) -> transformers'.
 BLOCK_RENAMES = {"norm0": "norm1", "norm1": "norm2", "wo": "attn.proj", "mlp.fc0": "mlp.fc1", "mlp.fc1": "mlp.fc2"}
 
 
-def to_transformers(model: "MoonViT", attn_implementation: str = "sdpa") -> "Kimi_K25VisionModel":
+def to_transformers(model: MoonViT, attn_implementation: str = "sdpa") -> Kimi_K25VisionModel:
     """An equivalent ``Kimi_K25VisionModel`` in the model's dtype, in eval mode.
 
     Needs transformers with the ``kimi_k25`` model (5.x).
@@ -59,8 +59,9 @@ def to_transformers(model: "MoonViT", attn_implementation: str = "sdpa") -> "Kim
             out[f"{dst}attn.q_proj.{kind}"] = permute(q, config)
             out[f"{dst}attn.k_proj.{kind}"] = permute(k, config)
             out[f"{dst}attn.v_proj.{kind}"] = v
-    theirs = Kimi_K25VisionModel(config)
-    missing, unexpected = theirs.load_state_dict(out, strict=False)
+    peer = Kimi_K25VisionModel(config)
+    missing, unexpected = peer.load_state_dict(out, strict=False)
     if missing or unexpected:
         raise RuntimeError(f"transformers' Kimi_K25VisionModel changed: missing {missing}, unexpected {unexpected}")
-    return theirs.to(model.dtype).eval()
+    peer.to(model.dtype)  # type: ignore[arg-type]  # transformers types its wrapped .to() oddly
+    return peer.eval()

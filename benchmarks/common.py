@@ -1,0 +1,100 @@
+"""What the benchmarks share: the standard packs, FLOP counts, timers, matmul peaks and memory peaks.
+
+Benchmarks are programs, not part of the library; they import this module as
+``common`` (``python benchmarks/<name>.py`` puts this folder on the path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import re
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+PACKS: dict[str, list[tuple[int, int]]] = {
+    "448x448 (32x32)": [(32, 32)],
+    "mixed 4": [(32, 32), (24, 40), (16, 16), (48, 36)],
+    "32 small (16x16)": [(16, 16)] * 32,
+    "896x896 (64x64)": [(64, 64)],
+}
+"""The encoder benchmark's packs of (rows, cols) patch grids."""
+
+
+def seconds(fn: Callable[[], object], device: torch.device | None = None) -> float:
+    """Wall time of one call of ``fn`` (synchronising CUDA around it)."""
+    cuda = device is not None and device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 4096, repeats: int = 3, device: str | torch.device = "cpu") -> float:
+    """Best FLOP/s of an n x n x n matmul in ``dtype`` on ``device``."""
+    device = torch.device(device)
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    a @ b
+    best = min(seconds(lambda: a @ b, device) for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def model_flops(grids: Sequence[Sequence[int]], hidden: int, mlp: int, depth: int, patch: int = 14) -> float:
+    """Matmul FLOPs of one forward over (h, w) or (t, h, w) grids: patch embedding, projections,
+    MLP and attention (each item attends over its t * h * w patches)."""
+    lengths = [int(torch.tensor(g).prod()) for g in grids]
+    patches = sum(lengths)
+    per_block = 2 * patches * (4 * hidden * hidden + 2 * hidden * mlp) + sum(4 * n**2 * hidden for n in lengths)
+    return 2 * patches * 3 * patch * patch * hidden + depth * per_block
+
+
+def peak_extra_bytes(fn: Callable[[], object]) -> int | None:
+    """Resident memory that one call of ``fn`` adds at its peak, or None where it cannot be read.
+
+    Linux: free memory goes back to the system, the high-water mark is reset,
+    and the mark after the call is compared with the resident size before it.
+    """
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _proc_status_bytes("VmRSS")
+        fn()
+        return _proc_status_bytes("VmHWM") - before
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def _proc_status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        match = re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M)
+    if match is None:
+        raise ValueError(f"{key} not in /proc/self/status")
+    return int(match.group(1)) * 1024
+
+
+def mib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.0f}"
+
+
+def host_line() -> str:
+    """The CPU model and its matrix / vector extensions, from /proc/cpuinfo where there is one."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        found = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
+        model = found.group(1).strip() if found else model
+        found = re.search(r"^flags\s*:\s*(.+)$", info, re.M)
+        flags = set(found.group(1).split()) if found else set()
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
+    present = [flag for flag in wanted if flag in flags]
+    return f"{model}; {' '.join(present) or 'no AVX-512 / AMX flags'}"

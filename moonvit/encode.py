@@ -1,0 +1,239 @@
+"""Encoding planned packs: the one place where a pack is decoded, encoded and split per item.
+
+:func:`encode_pack` decodes a :class:`~moonvit.media.packing.Pack`'s images, runs one
+forward and returns an :class:`EncodedPack` that splits the outputs per image.
+:func:`iter_encode_images` / :func:`encode_images` (the one-liners),
+``projector.export`` and the probe's feature extraction all go through it.
+:func:`pool_features` averages each image's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from .media.image import ImageInput
+from .media.packing import DEFAULT_MAX_PATCHES_PER_PACK, Pack, PackItem, pack_images
+from .media.processor import ImageBatch, MoonViTImageProcessor
+from .model.encoder import MoonViTOutput
+from .model.grid import GridInput, PackedGrid, tokens_per_image
+from .model.interface import VisionEncoder
+
+__all__ = [
+    "EncodedImage",
+    "EncodedPack",
+    "encode_images",
+    "encode_pack",
+    "iter_encode_images",
+    "pool_features",
+    "process_pack",
+]
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """The encoder's output for one input image.
+
+    Attributes:
+        index: position in the input.
+        tokens: (rows * cols / 4, 4, D) merged tokens, in the encoder's dtype, on the chosen
+            output device.
+        grid_hw: (rows, cols) patch grid the image was encoded at.
+        rescaled: whether it was scaled below the processor's size to fit the pack budget.
+    """
+
+    index: int
+    tokens: torch.Tensor
+    grid_hw: tuple[int, int]
+    rescaled: bool
+
+
+@dataclass(frozen=True)
+class EncodedPack:
+    """One forward over the decodable images of a pack.
+
+    Attributes:
+        items: the pack's items that were encoded, in pack order (empty when none could be decoded).
+        grid: their packed grid metadata (None when ``items`` is empty).
+        output: the encoder's output for them (None when ``items`` is empty).
+        merge_kernel_size: the encoder's (kh, kw).
+        failures: input index -> reason, for items that could not be decoded (only with
+            ``skip_errors``); they are not in ``items``.
+    """
+
+    items: tuple[PackItem, ...]
+    grid: PackedGrid | None
+    output: MoonViTOutput | None
+    merge_kernel_size: tuple[int, int] = (2, 2)
+    failures: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def tokens_per_item(self) -> list[int]:
+        """Merged tokens of each item (h * w / (kh * kw)), whatever its frame count."""
+        return [] if self.grid is None else tokens_per_image(self.grid.grid_thws, self.merge_kernel_size)
+
+    @property
+    def merged(self) -> torch.Tensor:
+        """(S / 4, 4, D) the merged tokens of all encoded items."""
+        if self.output is None or self.output.merged is None:
+            raise ValueError("this pack has no merged tokens (no image decoded, or patches were dropped)")
+        return self.output.merged
+
+    def split_tokens(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Split a per-merged-token tensor (S / 4, ...) (``merged``, projected tokens) per item."""
+        return tokens.split(self.tokens_per_item)
+
+
+def process_pack(
+    processor: MoonViTImageProcessor, pack: Pack, *, skip_errors: bool = False
+) -> tuple[ImageBatch, tuple[PackItem, ...], dict[int, str]]:
+    """Decode a pack's images into one batch.
+
+    With ``skip_errors``, an image that cannot be decoded (``ImageLoadError``, a bad size,
+    an OS error) is left out and its reason recorded by input index; otherwise the error
+    propagates.
+
+    Returns:
+        (batch of the decoded items, those items, failures).
+    """
+    if not skip_errors:
+        batch = processor(
+            [item.source for item in pack.items], in_token_limit=[item.in_token_limit for item in pack.items]
+        )
+        return batch, pack.items, {}
+    batches, items, failures = [], [], {}
+    for item in pack.items:
+        try:
+            batches.append(processor([item.source], in_token_limit=[item.in_token_limit]))
+        except (ValueError, OSError) as error:  # ImageLoadError included
+            failures[item.index] = str(error)
+            continue
+        items.append(item)
+    if not batches:
+        return (
+            ImageBatch(torch.empty(0, 3, processor.patch_size, processor.patch_size), torch.empty(0, 2)),
+            (),
+            failures,
+        )
+    batch = ImageBatch(torch.cat([b.pixel_values for b in batches]), torch.cat([b.grid_hws for b in batches]))
+    return batch, tuple(items), failures
+
+
+def encode_pack(
+    encoder: VisionEncoder,
+    processor: MoonViTImageProcessor,
+    pack: Pack,
+    *,
+    skip_errors: bool = False,
+    hidden_state_indices: Sequence[int] | None = None,
+) -> EncodedPack:
+    """Decode and encode one pack without autograd, the encoder in whatever mode it is.
+
+    Args:
+        skip_errors: leave undecodable images out (see :func:`process_pack`).
+        hidden_state_indices: hidden states to keep (see ``MoonViT.forward``).
+
+    Returns:
+        the :class:`EncodedPack` (with no items when no image of the pack could be decoded).
+    """
+    batch, items, failures = process_pack(processor, pack, skip_errors=skip_errors)
+    if not items:
+        return EncodedPack((), None, None, encoder.config.merge_kernel_size, failures)
+    grid = encoder.prepare_grid(batch.grid_hws)
+    with torch.no_grad():
+        output = encoder(batch.pixel_values.to(encoder.device), grid=grid, hidden_state_indices=hidden_state_indices)
+    return EncodedPack(items, grid, output, encoder.config.merge_kernel_size, failures)
+
+
+def iter_encode_images(
+    encoder: VisionEncoder,
+    processor: MoonViTImageProcessor,
+    images: ImageInput | Iterable[ImageInput],
+    *,
+    max_patches_per_pack: int = DEFAULT_MAX_PATCHES_PER_PACK,
+    output_device: torch.device | str = "cpu",
+) -> Iterator[EncodedImage]:
+    """Encode ``images`` pack by pack, yielding each image's result, in input order.
+
+    Only the images of the pack being encoded are decoded; each pack's merged tokens are moved
+    to ``output_device`` before the next pack starts. Runs without autograd, with the encoder in
+    whatever mode it is (call ``.eval()`` first).
+
+    Args:
+        encoder: a MoonViT: ``encoder(pixel_values, grid_hws).merged`` is (L / 4, 4, D).
+        processor: turns images into ``pixel_values`` and ``grid_hws``.
+        images: one image or an iterable of them (see :data:`ImageInput`), consumed lazily.
+        max_patches_per_pack: patch budget per encoder forward (see :func:`pack_images`).
+        output_device: where the results are put.
+    """
+    for pack in pack_images(images, processor, max_patches_per_pack):
+        encoded = encode_pack(encoder, processor, pack)
+        assert encoded.grid is not None  # without skip_errors every image decodes or raises
+        tokens = encoded.split_tokens(encoded.merged.to(output_device))
+        for item, grid, item_tokens in zip(encoded.items, encoded.grid.grid_hws.tolist(), tokens):
+            yield EncodedImage(item.index, item_tokens, (grid[0], grid[1]), item.rescaled)
+
+
+def encode_images(
+    encoder: VisionEncoder,
+    processor: MoonViTImageProcessor,
+    images: ImageInput | Iterable[ImageInput],
+    *,
+    max_patches_per_pack: int = DEFAULT_MAX_PATCHES_PER_PACK,
+    output_device: torch.device | str = "cpu",
+) -> list[torch.Tensor]:
+    """Encode images of any sizes: one (rows_i * cols_i / 4, 4, D) tensor of merged tokens per image.
+
+    Same arguments as :func:`iter_encode_images`, which this collects.
+    """
+    return [
+        result.tokens
+        for result in iter_encode_images(
+            encoder, processor, images, max_patches_per_pack=max_patches_per_pack, output_device=output_device
+        )
+    ]
+
+
+def segment_mean(rows: torch.Tensor, counts: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """(L, ...) rows of N consecutive segments of ``counts`` rows -> (N, F) float32 means, F the flattened rest."""
+    counts = torch.as_tensor(counts, device=rows.device)
+    owner = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), counts)
+    flat = rows.flatten(1).float()
+    sums = flat.new_zeros(len(counts), flat.shape[1]).index_add_(0, owner, flat)
+    return sums / counts.unsqueeze(1)
+
+
+def pool_features(
+    features: MoonViTOutput | torch.Tensor,
+    grid: PackedGrid | GridInput,
+    tokens: Literal["patches", "merged"] = "patches",
+) -> torch.Tensor:
+    """Each item's mean token, the usual global-average-pooled image feature (MoonViT has no CLS token).
+
+    Args:
+        features: an encoder output, or a per-patch tensor (L, D) such as one of its hidden states.
+        grid: the pack's :class:`PackedGrid` (required when patches were dropped), or its
+            ``grid_hws`` (N, 2) / ``grid_thws`` (N, 3).
+        tokens: ``"patches"``: the mean of ``last_hidden_state`` over each item's patches (all
+            frames of a clip), (N, D); ``"merged"``: the mean of its merged groups, each
+            flattened to 4D in the merger's order, (N, 4D) (only for an output).
+
+    Returns:
+        (N, D) or (N, 4D) float32.
+    """
+    thws = grid.grid_thws if isinstance(grid, PackedGrid) else torch.as_tensor(grid)
+    if tokens == "patches":
+        rows = features if isinstance(features, torch.Tensor) else features.last_hidden_state
+        counts = list(grid.seqlens) if isinstance(grid, PackedGrid) else [int(n) for n in thws.prod(dim=1).tolist()]
+        return segment_mean(rows, counts)
+    if tokens != "merged":
+        raise ValueError(f"tokens must be 'patches' or 'merged', got {tokens!r}")
+    if isinstance(features, torch.Tensor):
+        raise ValueError("a tensor is pooled over patches; pass the encoder output for merged tokens")
+    if features.merged is None:
+        raise ValueError("this output has no merged tokens (patches were dropped)")
+    # Only the kernel's area matters for the count: (kh * kw, 1) stands for (kh, kw).
+    return segment_mean(features.merged, tokens_per_image(thws, (features.merged.shape[1], 1)))

@@ -1,0 +1,28 @@
+"""The network: config, grid metadata, position table, RoPE, attention backends, blocks, encoder.
+
+Read top to bottom: :mod:`.config` (sizes and presets), :mod:`.grid` (everything a
+pack's grids determine, computed once per call), :mod:`.position` (the learnable
+table and its bicubic taps), :mod:`.rope` (2D rotary embedding), :mod:`.attention`
+(the backend registry), :mod:`.blocks` (the pre-LN block), :mod:`.encoder`
+(:class:`MoonViT`), :mod:`.interface` (what other packages need from an encoder).
+"""
+
+from .attention import attention_names, register_attention
+from .config import PRESETS, MoonViTConfig, preset_config
+from .encoder import MoonViT, MoonViTOutput
+from .grid import PackedGrid, build_packed_grid, tokens_per_image
+from .interface import VisionEncoder
+
+__all__ = [
+    "PRESETS",
+    "MoonViT",
+    "MoonViTConfig",
+    "MoonViTOutput",
+    "PackedGrid",
+    "VisionEncoder",
+    "attention_names",
+    "build_packed_grid",
+    "preset_config",
+    "register_attention",
+    "tokens_per_image",
+]
