@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import PACKS, host_line, matmul_peak, mib, model_flops, peak_extra_bytes, seconds
+from common import PACKS, as_thw, host_line, matmul_peak, mib, model_flops, peak_extra_bytes, seconds
 
 from moonvit import MoonViT, preset_config
 from moonvit.cli import DTYPES, apply_threads, dtype_name, positive_int
@@ -44,7 +44,8 @@ def build(depth: int, dtype: torch.dtype) -> dict[str, Callable]:
     ``ours_new_grid`` clears every cache first, ``peer`` is transformers'.
     """
     torch.manual_seed(0)
-    model = MoonViT(preset_config("so400m", num_hidden_layers=depth, attn_implementation="sdpa")).to(dtype).eval()
+    config = preset_config("so400m-3d", num_hidden_layers=depth, attn_implementation="sdpa")
+    model = MoonViT(config).to(dtype).eval()
     peer = to_transformers(model)
     model.set_position_cache()
     table = model.patch_embed.pos_emb
@@ -64,8 +65,7 @@ def build(depth: int, dtype: torch.dtype) -> dict[str, Callable]:
         return model(pixels, grids).merged
 
     def theirs(pixels, grids):
-        thw = torch.cat([torch.ones(len(grids), 1, dtype=torch.int64), grids], dim=1)
-        return peer(pixels, thw).pooler_output
+        return peer(pixels, grids).pooler_output
 
     return {"ours": ours, "peer": theirs, "ours_default": ours_default, "ours_new_grid": ours_new_grid}
 
@@ -82,8 +82,17 @@ def time_interleaved(contenders: dict[str, Callable], pixels, grids, repeats: in
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def memory_scaling(contenders: dict[str, Callable], counts: tuple[int, ...] = (8, 32, 128)) -> list[str]:
-    """Peak memory of packs of 16x16 images: linear in patches when nothing is (L, L)."""
+MEMORY_PACKS = {
+    "8 x 16x16": [(16, 16)] * 8,
+    "32 x 16x16": [(16, 16)] * 32,
+    "128 x 16x16": [(16, 16)] * 128,
+    "4-frame 1080p chunk": [(4, 48, 86)],
+}
+
+
+def memory_scaling(contenders: dict[str, Callable]) -> list[str]:
+    """Peak memory of packs of growing size, and of one 16k-patch video segment: linear in
+    patches when nothing is (L, L)."""
     lines = [
         "| pack | patches | "
         + " | ".join(f"{name} peak MiB" for name in contenders)
@@ -91,15 +100,16 @@ def memory_scaling(contenders: dict[str, Callable], counts: tuple[int, ...] = (8
         "|---|---|" + "---|" * len(contenders) + "---|",
     ]
     print("\n".join(lines))
-    for count in counts:
-        grids = torch.tensor([(16, 16)] * count)
-        pixels = torch.randn(count * 256, 3, 14, 14).to(torch.bfloat16)
+    for name, grid_list in MEMORY_PACKS.items():
+        grids = as_thw(grid_list)
+        patches = int(grids.prod(dim=1).sum())
+        pixels = torch.randn(patches, 3, 14, 14).to(torch.bfloat16)
         with torch.inference_mode():
             for fn in contenders.values():
                 fn(pixels, grids)
             peaks = [mib(peak_extra_bytes(lambda: fn(pixels, grids))) for fn in contenders.values()]
-        square = (count * 256) ** 2 * 2 / 2**20
-        lines.append(f"| {count} x 256 | {count * 256} | " + " | ".join(peaks) + f" | {square:.0f} |")
+        square = patches**2 * 2 / 2**20
+        lines.append(f"| {name} | {patches} | " + " | ".join(peaks) + f" | {square:.0f} |")
         print(lines[-1], flush=True)
     return lines
 
@@ -142,6 +152,10 @@ def main(argv: list[str] | None = None) -> None:
         default=["bf16", "fp32"],
         help="dtypes to time: bf16, fp32 (default: both)",
     )
+    parser.add_argument(
+        "--packs", nargs="+", choices=list(PACKS), default=list(PACKS), metavar="PACK",
+        help=f"packs to time (default: all): {', '.join(repr(p) for p in PACKS)}",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, help="also write the tables (markdown) here")
     parser.add_argument("--no-extras", action="store_true", help="skip the memory-scaling and profile tables")
     args = parser.parse_args(argv)
@@ -157,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += ["matmul peak 4096^3: " + ", ".join(f"{n} {p / 1e9:.0f} GFLOP/s" for n, p in peaks.items()), ""]
     lines += [
         "| pack | dtype | ours patches/s | peer patches/s | ratio | ours patches/s @27 | peer patches/s @27 "
-        "| ours images/s @27 | ours MFU | peer MFU | ours fixed ms | ours fixed ms, no position cache "
+        "| ours items/s @27 | ours MFU | peer MFU | ours fixed ms | ours fixed ms, no position cache "
         "| ours fixed ms, new grid | peer fixed ms | fixed ratio | ours peak MiB | peer peak MiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -167,9 +181,10 @@ def main(argv: list[str] | None = None) -> None:
         contenders = build(args.depth, dtype)
         full = {name: contenders[name] for name in ("ours", "peer")}
         empty = build(0, dtype)
-        for pack_name, grid_list in PACKS.items():
-            grids = torch.tensor(grid_list)
-            patches = int((grids[:, 0] * grids[:, 1]).sum())
+        for pack_name in args.packs:
+            grid_list = PACKS[pack_name]
+            grids = as_thw(grid_list)
+            patches = int(grids.prod(dim=1).sum())
             pixels = torch.randn(patches, 3, 14, 14).to(dtype)
             timed = time_interleaved(full, pixels, grids, args.repeats)
             fixed = time_interleaved(empty, pixels, grids, args.repeats)
@@ -194,16 +209,16 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_extras:
         contenders = build(args.depth, torch.bfloat16)
         ours, peer = contenders["ours"], contenders["peer"]
-        lines += ["", f"Peak memory a bf16 forward adds (depth {args.depth}), packs of 16x16 images:", ""]
+        lines += ["", f"Peak memory a bf16 forward adds (depth {args.depth}):", ""]
         print("\n".join(lines[-3:]))
         lines += memory_scaling({"ours": ours, "peer": peer})
         header = ["", "Where this encoder's bf16 time goes (operator self time, one forward):", ""]
         header += ["| pack | matmul | attention (SDPA) | other |", "|---|---|---|---|"]
         print("\n".join(header))
         lines += header
-        for pack_name, grid_list in PACKS.items():
-            grids = torch.tensor(grid_list)
-            pixels = torch.randn(int((grids[:, 0] * grids[:, 1]).sum()), 3, 14, 14).to(torch.bfloat16)
+        for pack_name in args.packs:
+            grids = as_thw(PACKS[pack_name])
+            pixels = torch.randn(int(grids.prod(dim=1).sum()), 3, 14, 14).to(torch.bfloat16)
             share = profile_shares(ours, pixels, grids)
             line = f"| {pack_name} | {share['matmul']:.0%} | {share['attention']:.0%} | {share['other']:.0%} |"
             print(line, flush=True)

@@ -14,13 +14,22 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-PACKS: dict[str, list[tuple[int, int]]] = {
+PACKS: dict[str, list[tuple[int, ...]]] = {
     "448x448 (32x32)": [(32, 32)],
     "mixed 4": [(32, 32), (24, 40), (16, 16), (48, 36)],
     "32 small (16x16)": [(16, 16)] * 32,
     "896x896 (64x64)": [(64, 64)],
+    "video 4 x 4-frame 448x448": [(4, 32, 32)] * 4,
+    "video 4-frame 1080p": [(4, 48, 86)],
 }
-"""The encoder benchmark's packs of (rows, cols) patch grids."""
+"""The encoder benchmark's packs: (rows, cols) images and (frames, rows, cols) clips. The video
+packs are Kimi-K2.5 chunks: four 4-frame 448x448 clips (4096-patch segments), and one 4-frame
+1080p chunk (1920x1080 at 4096 patches per frame: one 16,512-patch attention segment)."""
+
+
+def as_thw(grids: Sequence[Sequence[int]]) -> torch.Tensor:
+    """(N, 3) int64 (t, h, w) rows of (h, w) or (t, h, w) grids."""
+    return torch.tensor([(1, *g) if len(g) == 2 else tuple(g) for g in grids], dtype=torch.int64)
 
 
 def seconds(fn: Callable[[], object], device: torch.device | None = None) -> float:

@@ -13,6 +13,7 @@ from .encode import EncodedImage, EncodedPack, encode_images, encode_pack, iter_
 from .media.image import IMAGE_EXTENSIONS, ImageLoadError, ImageTooLargeError, image_size, load_image
 from .media.packing import DEFAULT_MAX_PATCHES_PER_PACK, Pack, PackItem, pack_images
 from .media.processor import ImageBatch, ImagePlan, MoonViTImageProcessor, patchify, unpatchify
+from .media.video import MoonViTVideoProcessor, VideoBatch, VideoFrames, VideoLoadError
 from .model.config import PRESETS, MoonViTConfig, preset_config
 from .model.encoder import MoonViT, MoonViTOutput
 from .model.grid import PackedGrid, build_packed_grid, tokens_per_image
@@ -36,9 +37,13 @@ __all__ = [
     "MoonViTConfig",
     "MoonViTImageProcessor",
     "MoonViTOutput",
+    "MoonViTVideoProcessor",
     "Pack",
     "PackItem",
     "PackedGrid",
+    "VideoBatch",
+    "VideoFrames",
+    "VideoLoadError",
     "VisionEncoder",
     "build_packed_grid",
     "encode_images",

@@ -15,9 +15,9 @@ from typing import Literal
 
 import torch
 
-from .media.image import ImageInput
-from .media.packing import DEFAULT_MAX_PATCHES_PER_PACK, Pack, PackItem, pack_images
-from .media.processor import ImageBatch, MoonViTImageProcessor
+from .media.packing import DEFAULT_MAX_PATCHES_PER_PACK, MediaInput, Pack, PackItem, pack_images
+from .media.processor import MoonViTImageProcessor
+from .media.video import MoonViTVideoProcessor
 from .model.encoder import MoonViTOutput
 from .model.grid import GridInput, PackedGrid, tokens_per_image
 from .model.interface import VisionEncoder
@@ -35,20 +35,26 @@ __all__ = [
 
 @dataclass(frozen=True)
 class EncodedImage:
-    """The encoder's output for one input image.
+    """The encoder's output for one input image, or for one chunk of an input video.
 
     Attributes:
-        index: position in the input.
-        tokens: (rows * cols / 4, 4, D) merged tokens, in the encoder's dtype, on the chosen
-            output device.
-        grid_hw: (rows, cols) patch grid the image was encoded at.
+        index: position in the input (a video's chunks share it).
+        tokens: (rows * cols / 4, 4, D) merged tokens (a chunk's frames averaged), in the
+            encoder's dtype, on the chosen output device.
+        grid_hw: (rows, cols) patch grid the image (each frame) was encoded at.
         rescaled: whether it was scaled below the processor's size to fit the pack budget.
+        chunk: the chunk's position in its video, None for an image.
+        frames: t, the chunk's frames (1 for an image).
+        timestamp: seconds of the chunk's first frame, None for an image.
     """
 
     index: int
     tokens: torch.Tensor
     grid_hw: tuple[int, int]
     rescaled: bool
+    chunk: int | None = None
+    frames: int = 1
+    timestamp: float | None = None
 
 
 @dataclass(frozen=True)
@@ -60,15 +66,15 @@ class EncodedPack:
         grid: their packed grid metadata (None when ``items`` is empty).
         output: the encoder's output for them (None when ``items`` is empty).
         merge_kernel_size: the encoder's (kh, kw).
-        failures: input index -> reason, for items that could not be decoded (only with
-            ``skip_errors``); they are not in ``items``.
+        failures: item key (:attr:`PackItem.key`: input index, chunk) -> reason, for items that
+            could not be decoded (only with ``skip_errors``); they are not in ``items``.
     """
 
     items: tuple[PackItem, ...]
     grid: PackedGrid | None
     output: MoonViTOutput | None
     merge_kernel_size: tuple[int, int] = (2, 2)
-    failures: dict[int, str] = field(default_factory=dict)
+    failures: dict[tuple[int, int | None], str] = field(default_factory=dict)
 
     @property
     def tokens_per_item(self) -> list[int]:
@@ -88,38 +94,44 @@ class EncodedPack:
 
 
 def process_pack(
-    processor: MoonViTImageProcessor, pack: Pack, *, skip_errors: bool = False
-) -> tuple[ImageBatch, tuple[PackItem, ...], dict[int, str]]:
-    """Decode a pack's images into one batch.
+    processor: MoonViTImageProcessor,
+    pack: Pack,
+    *,
+    skip_errors: bool = False,
+    video_processor: MoonViTVideoProcessor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[PackItem, ...], dict[tuple[int, int | None], str]]:
+    """Decode a pack's images and video chunks into one batch.
 
-    With ``skip_errors``, an image that cannot be decoded (``ImageLoadError``, a bad size,
-    an OS error) is left out and its reason recorded by input index; otherwise the error
-    propagates.
+    Video chunks go through ``video_processor`` (default:
+    :meth:`MoonViTVideoProcessor.for_images` of ``processor``). With ``skip_errors``, an
+    item that cannot be decoded (``ImageLoadError``, a bad size, an OS error) is left out and
+    its reason recorded by :attr:`PackItem.key`; otherwise the error propagates.
 
     Returns:
-        (batch of the decoded items, those items, failures).
+        (pixel_values (L, 3, p, p) float32, grid_thws (N, 3) int64 of the decoded items,
+        those items, failures).
     """
-    if not skip_errors:
-        batch = processor(
-            [item.source for item in pack.items], in_token_limit=[item.in_token_limit for item in pack.items]
-        )
-        return batch, pack.items, {}
-    batches, items, failures = [], [], {}
+    videos = video_processor or MoonViTVideoProcessor.for_images(processor)
+    pixels, grids, items = [], [], []
+    failures: dict[tuple[int, int | None], str] = {}
     for item in pack.items:
         try:
-            batches.append(processor([item.source], in_token_limit=[item.in_token_limit]))
-        except (ValueError, OSError) as error:  # ImageLoadError included
-            failures[item.index] = str(error)
+            if item.chunk is not None:
+                item_pixels, thw = videos.process_chunk(item.chunk, item.in_token_limit)
+            else:
+                batch = processor([item.source], in_token_limit=[item.in_token_limit])  # type: ignore[list-item]
+                item_pixels, thw = batch.pixel_values, (1, *batch.grid_hws[0].tolist())
+        except (ValueError, OSError) as error:  # ImageLoadError and VideoLoadError included
+            if not skip_errors:
+                raise
+            failures[item.key] = str(error)
             continue
+        pixels.append(item_pixels)
+        grids.append(thw)
         items.append(item)
-    if not batches:
-        return (
-            ImageBatch(torch.empty(0, 3, processor.patch_size, processor.patch_size), torch.empty(0, 2)),
-            (),
-            failures,
-        )
-    batch = ImageBatch(torch.cat([b.pixel_values for b in batches]), torch.cat([b.grid_hws for b in batches]))
-    return batch, tuple(items), failures
+    p = processor.patch_size
+    pixel_values = torch.cat(pixels) if pixels else torch.empty(0, 3, p, p)
+    return pixel_values, torch.tensor(grids, dtype=torch.int64).reshape(-1, 3), tuple(items), failures
 
 
 def encode_pack(
@@ -129,70 +141,91 @@ def encode_pack(
     *,
     skip_errors: bool = False,
     hidden_state_indices: Sequence[int] | None = None,
+    video_processor: MoonViTVideoProcessor | None = None,
 ) -> EncodedPack:
     """Decode and encode one pack without autograd, the encoder in whatever mode it is.
 
     Args:
         skip_errors: leave undecodable images out (see :func:`process_pack`).
         hidden_state_indices: hidden states to keep (see ``MoonViT.forward``).
+        video_processor: for the pack's video chunks (see :func:`process_pack`).
 
     Returns:
         the :class:`EncodedPack` (with no items when no image of the pack could be decoded).
     """
-    batch, items, failures = process_pack(processor, pack, skip_errors=skip_errors)
+    pixel_values, grid_thws, items, failures = process_pack(
+        processor, pack, skip_errors=skip_errors, video_processor=video_processor
+    )
     if not items:
         return EncodedPack((), None, None, encoder.config.merge_kernel_size, failures)
-    grid = encoder.prepare_grid(batch.grid_hws)
+    grid = encoder.prepare_grid(grid_thws)
     with torch.no_grad():
-        output = encoder(batch.pixel_values.to(encoder.device), grid=grid, hidden_state_indices=hidden_state_indices)
+        output = encoder(pixel_values.to(encoder.device), grid=grid, hidden_state_indices=hidden_state_indices)
     return EncodedPack(items, grid, output, encoder.config.merge_kernel_size, failures)
 
 
 def iter_encode_images(
     encoder: VisionEncoder,
     processor: MoonViTImageProcessor,
-    images: ImageInput | Iterable[ImageInput],
+    images: MediaInput | Iterable[MediaInput],
     *,
     max_patches_per_pack: int = DEFAULT_MAX_PATCHES_PER_PACK,
     output_device: torch.device | str = "cpu",
+    video_processor: MoonViTVideoProcessor | None = None,
 ) -> Iterator[EncodedImage]:
-    """Encode ``images`` pack by pack, yielding each image's result, in input order.
+    """Encode ``images`` pack by pack, yielding each image's (each video chunk's) result, in input order.
 
-    Only the images of the pack being encoded are decoded; each pack's merged tokens are moved
+    Only the items of the pack being encoded are decoded; each pack's merged tokens are moved
     to ``output_device`` before the next pack starts. Runs without autograd, with the encoder in
     whatever mode it is (call ``.eval()`` first).
 
     Args:
-        encoder: a MoonViT: ``encoder(pixel_values, grid_hws).merged`` is (L / 4, 4, D).
-        processor: turns images into ``pixel_values`` and ``grid_hws``.
-        images: one image or an iterable of them (see :data:`ImageInput`), consumed lazily.
+        encoder: a MoonViT: ``encoder(pixel_values, grid_thws).merged`` is (S / 4, 4, D).
+        processor: turns images into ``pixel_values`` and grids.
+        images: one input or an iterable of them (see :data:`ImageInput`; videos: paths with a
+            video ending or :class:`~moonvit.media.video.VideoFrames`, which need a tower with a
+            temporal table), consumed lazily.
         max_patches_per_pack: patch budget per encoder forward (see :func:`pack_images`).
         output_device: where the results are put.
+        video_processor: for videos (default: :meth:`MoonViTVideoProcessor.for_images` of ``processor``).
     """
-    for pack in pack_images(images, processor, max_patches_per_pack):
-        encoded = encode_pack(encoder, processor, pack)
-        assert encoded.grid is not None  # without skip_errors every image decodes or raises
+    videos = video_processor or MoonViTVideoProcessor.for_images(processor)
+    for pack in pack_images(images, processor, max_patches_per_pack, videos):
+        encoded = encode_pack(encoder, processor, pack, video_processor=videos)
+        assert encoded.grid is not None  # without skip_errors every item decodes or raises
         tokens = encoded.split_tokens(encoded.merged.to(output_device))
-        for item, grid, item_tokens in zip(encoded.items, encoded.grid.grid_hws.tolist(), tokens):
-            yield EncodedImage(item.index, item_tokens, (grid[0], grid[1]), item.rescaled)
+        for item, (_, h, w), item_tokens in zip(encoded.items, encoded.grid.grid_thws.tolist(), tokens):
+            chunk = item.chunk
+            yield EncodedImage(
+                item.index, item_tokens, (h, w), item.rescaled,
+                chunk=None if chunk is None else chunk.plan.chunk, frames=item.frames,
+                timestamp=None if chunk is None else chunk.plan.timestamp,
+            )  # fmt: skip
 
 
 def encode_images(
     encoder: VisionEncoder,
     processor: MoonViTImageProcessor,
-    images: ImageInput | Iterable[ImageInput],
+    images: MediaInput | Iterable[MediaInput],
     *,
     max_patches_per_pack: int = DEFAULT_MAX_PATCHES_PER_PACK,
     output_device: torch.device | str = "cpu",
+    video_processor: MoonViTVideoProcessor | None = None,
 ) -> list[torch.Tensor]:
-    """Encode images of any sizes: one (rows_i * cols_i / 4, 4, D) tensor of merged tokens per image.
+    """Encode images of any sizes: one (rows_i * cols_i / 4, 4, D) tensor of merged tokens per image,
+    and one per chunk of each video, in input order.
 
     Same arguments as :func:`iter_encode_images`, which this collects.
     """
     return [
         result.tokens
         for result in iter_encode_images(
-            encoder, processor, images, max_patches_per_pack=max_patches_per_pack, output_device=output_device
+            encoder,
+            processor,
+            images,
+            max_patches_per_pack=max_patches_per_pack,
+            output_device=output_device,
+            video_processor=video_processor,
         )
     ]
 

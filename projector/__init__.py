@@ -13,6 +13,7 @@
 
 from .dataset import VisualTokenDataset
 from .model import PROJECTOR_TYPES, MoonViTProjector, ProjectorConfig
+from .prompt import expand_media_pads, media_prompt, video_prompt
 from .splice import (
     IGNORE_INDEX,
     MEDIA_PAD_TOKEN_ID,
@@ -30,7 +31,10 @@ __all__ = [
     "MoonViTProjector",
     "ProjectorConfig",
     "VisualTokenDataset",
+    "expand_media_pads",
     "expand_visual_tokens",
+    "media_prompt",
     "splice_visual_tokens",
+    "video_prompt",
     "visual_token_counts",
 ]

@@ -51,7 +51,8 @@ from moonvit.cli import (
 )
 from moonvit.encode import EncodedPack, encode_pack
 from moonvit.files import save_safetensors_atomic, sha256_file, write_text_atomic
-from moonvit.media.packing import group_into_packs, plan_pack_item
+from moonvit.media.packing import group_into_packs, plan_pack_item, plan_video_items
+from moonvit.media.video import VIDEO_EXTENSIONS, MoonViTVideoProcessor, is_video
 from moonvit.weights.checkpoint import CheckpointError, update_weights_digest
 
 from .model import MoonViTProjector
@@ -109,7 +110,8 @@ def read_inputs(path: Path) -> list[InputImage]:
 
 
 def _folder_inputs(folder: Path) -> list[InputImage]:
-    files = (p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+    media = IMAGE_EXTENSIONS | VIDEO_EXTENSIONS
+    files = (p for p in folder.rglob("*") if p.suffix.lower() in media and p.is_file())
     relative = sorted(p.relative_to(folder).as_posix() for p in files)
     return [InputImage(name, str(folder / name)) for name in relative]
 
@@ -144,26 +146,32 @@ def _check_unique_ids(images: Sequence[InputImage], source: Path) -> None:
 
 @dataclass(frozen=True)
 class PlannedImage:
-    """An input and its geometry from the file header, or why it cannot be exported.
-
-    Exactly one of ``item`` (index = input position) and ``reason`` is set.
-    """
+    """An input and its items (one for an image, one per chunk for a video), planned from the
+    file's header or container alone, or why it cannot be exported (then ``items`` is empty)."""
 
     image: InputImage
-    item: PackItem | None
+    items: tuple[PackItem, ...]
     reason: str | None
 
     @property
     def num_patches(self) -> int:
-        return self.item.plan.num_patches if self.item is not None else 0
+        return sum(item.num_patches for item in self.items)
 
 
-def plan_input(index: int, image: InputImage, processor: MoonViTImageProcessor, budget: int) -> PlannedImage:
-    """Plan one image from its header alone (scaled down if alone it exceeds ``budget``)."""
+def plan_input(index: int, image: InputImage, models: Models, budget: int) -> PlannedImage:
+    """Plan one input from its header alone (scaled down if alone it exceeds ``budget``)."""
     try:
-        return PlannedImage(image, plan_pack_item(index, image.path, processor, budget), None)
+        if is_video(image.path):
+            if models.encoder.config.max_frames < models.video_processor.frames_per_chunk:
+                raise ValueError(
+                    f"a video needs a tower with a temporal table of {models.video_processor.frames_per_chunk} "
+                    f"frames (Kimi-K2.5 / K2.6); this one takes {models.encoder.config.max_frames}"
+                )
+            items = plan_video_items(index, image.path, models.video_processor, budget)
+            return PlannedImage(image, tuple(items), None)
+        return PlannedImage(image, (plan_pack_item(index, image.path, models.processor, budget),), None)
     except ValueError as error:  # ImageLoadError included; the cause is the unprefixed reason
-        return PlannedImage(image, None, str(error.__cause__ or error))
+        return PlannedImage(image, (), str(error.__cause__ or error))
 
 
 def shard_ranges(count: int, shard_size: int) -> list[range]:
@@ -227,11 +235,9 @@ def init_ranks(device: str) -> tuple[Ranks, torch.device]:
     return ranks, target
 
 
-def plan_all(
-    images: Sequence[InputImage], processor: MoonViTImageProcessor, budget: int, ranks: Ranks
-) -> list[PlannedImage]:
+def plan_all(images: Sequence[InputImage], models: Models, budget: int, ranks: Ranks) -> list[PlannedImage]:
     """Plan every input, the header reads spread over the ranks; the same list on every rank."""
-    mine = {i: plan_input(i, images[i], processor, budget) for i in range(ranks.rank, len(images), ranks.world_size)}
+    mine = {i: plan_input(i, images[i], models, budget) for i in range(ranks.rank, len(images), ranks.world_size)}
     merged: dict[int, PlannedImage] = {}
     for part in ranks.all_gather(mine):
         merged.update(part)
@@ -248,6 +254,7 @@ class Models:
     encoder: VisionEncoder
     projector: MoonViTProjector | None
     processor: MoonViTImageProcessor
+    video_processor: MoonViTVideoProcessor
     checkpoint_sha256: str
 
 
@@ -265,9 +272,10 @@ def load_models(checkpoint: Path, store: Sequence[str], dtype: torch.dtype, devi
         hint = " (use --store merged to export without a projector)" if "projected" in store else ""
         raise ExportError(f"--checkpoint {checkpoint}: {error}{hint}") from error
     processor = MoonViTImageProcessor.from_pretrained(checkpoint)
+    video_processor = MoonViTVideoProcessor.from_pretrained(checkpoint)
     encoder = encoder.to(device=device, dtype=dtype).eval()
     projector = projector.to(device=device, dtype=dtype).eval() if projector is not None else None
-    return Models(encoder, projector, processor, digest.hexdigest())
+    return Models(encoder, projector, processor, video_processor, digest.hexdigest())
 
 
 # ---- run description -------------------------------------------------------------------------
@@ -284,6 +292,7 @@ def describe_run(args: argparse.Namespace, models: Models, images: Sequence[Inpu
         "moonvit_version": moonvit.__version__,
         "checkpoint": {"path": str(args.checkpoint.resolve()), "sha256": models.checkpoint_sha256},
         "processor": models.processor.to_dict(),
+        "video_processor": models.video_processor.to_dict(),
         "store": list(STORES[args.store]),
         "dtype": args.dtype,
         "inputs": {"path": str(args.inputs.resolve()), "count": len(images), "sha256": listing},
@@ -345,44 +354,52 @@ class ShardResult:
 def export_shard(
     index: int, planned: Sequence[PlannedImage], models: Models, store: Sequence[str], budget: int, out: Path
 ) -> ShardResult:
-    """Encode one shard's images, then write its tensors and its part file, each atomically."""
-    tensors: dict[int, dict[str, torch.Tensor]] = {}
-    reasons: dict[int, str] = {}
-    for pack in group_into_packs((p.item for p in planned if p.item is not None), budget):
-        encoded = encode_pack(models.encoder, models.processor, pack, skip_errors=True)
+    """Encode one shard's inputs, then write its tensors and its part file, each atomically."""
+    Key = tuple[int, int | None]
+    tensors: dict[Key, dict[str, torch.Tensor]] = {}
+    reasons: dict[Key, str] = {}
+    for pack in group_into_packs((item for p in planned for item in p.items), budget):
+        encoded = encode_pack(
+            models.encoder, models.processor, pack, skip_errors=True, video_processor=models.video_processor
+        )
         reasons.update(encoded.failures)
         if encoded.items:
             tensors.update(stored_tensors(encoded, models, store))
-    images: list[dict[str, Any]] = []
+    lines: list[dict[str, Any]] = []
     failures: list[dict[str, Any]] = []
     stored: dict[str, list[torch.Tensor]] = {kind: [] for kind in store}
     offset = 0
     for entry in planned:
-        reason = entry.reason if entry.item is None else reasons.get(entry.item.index)
-        if entry.item is None or reason is not None:
-            failures.append({"id": entry.image.id, "path": entry.image.path, "reason": reason})
+        if entry.reason is not None:
+            failures.append({"id": entry.image.id, "path": entry.image.path, "reason": entry.reason})
             continue
         try:
             sha256 = sha256_file(entry.image.path)
         except OSError as error:  # the file went away after it was decoded
             failures.append({"id": entry.image.id, "path": entry.image.path, "reason": str(error)})
             continue
-        result = tensors[entry.item.index]
-        num_tokens = len(result[store[0]])
-        images.append(manifest_line(entry, sha256, num_tokens, shard_name(index), offset))
-        offset += num_tokens
-        for kind in store:
-            stored[kind].append(result[kind])
-    if images:
+        for item in entry.items:
+            if item.key in reasons:
+                failures.append({"id": item_id(entry, item), "path": entry.image.path, "reason": reasons[item.key]})
+                continue
+            result = tensors[item.key]
+            num_tokens = len(result[store[0]])
+            lines.append(manifest_line(entry, item, sha256, num_tokens, shard_name(index), offset))
+            offset += num_tokens
+            for kind in store:
+                stored[kind].append(result[kind])
+    if lines:
         save_safetensors_atomic({kind: torch.cat(parts) for kind, parts in stored.items()}, out / shard_name(index))
     part = part_path(out, index)
     part.parent.mkdir(exist_ok=True)
-    write_text_atomic(part, json.dumps({"images": images, "failures": failures}) + "\n")
-    return ShardResult(images, failures)
+    write_text_atomic(part, json.dumps({"images": lines, "failures": failures}) + "\n")
+    return ShardResult(lines, failures)
 
 
-def stored_tensors(encoded: EncodedPack, models: Models, store: Sequence[str]) -> dict[int, dict[str, torch.Tensor]]:
-    """Per input index, the kinds to store on the CPU: ``merged`` (n_i, 4, D) and / or
+def stored_tensors(
+    encoded: EncodedPack, models: Models, store: Sequence[str]
+) -> dict[tuple[int, int | None], dict[str, torch.Tensor]]:
+    """Per item key, the kinds to store on the CPU: ``merged`` (n_i, 4, D) and / or
     ``projected`` (n_i, llm_hidden), n_i = rows_i * cols_i / 4, in the export dtype."""
     outputs = {"merged": encoded.merged}
     if "projected" in store:
@@ -390,25 +407,42 @@ def stored_tensors(encoded: EncodedPack, models: Models, store: Sequence[str]) -
         with torch.no_grad():
             outputs["projected"] = models.projector(encoded.merged)
     split = {kind: encoded.split_tokens(outputs[kind].cpu()) for kind in store}
-    return {item.index: {kind: split[kind][i] for kind in store} for i, item in enumerate(encoded.items)}
+    return {item.key: {kind: split[kind][i] for kind in store} for i, item in enumerate(encoded.items)}
 
 
-def manifest_line(entry: PlannedImage, sha256: str, num_tokens: int, shard: str, offset: int) -> dict[str, Any]:
-    """One ``manifest.jsonl`` record: where the image's tokens lie and how it was processed."""
-    assert entry.item is not None
-    plan = entry.item.plan
-    return {
-        "id": entry.image.id,
+def item_id(entry: PlannedImage, item: PackItem) -> str:
+    """An image's id, or ``<video id>#<chunk>`` for a video's chunk."""
+    return entry.image.id if item.chunk is None else f"{entry.image.id}#{item.chunk.plan.chunk}"
+
+
+def manifest_line(
+    entry: PlannedImage, item: PackItem, sha256: str, num_tokens: int, shard: str, offset: int
+) -> dict[str, Any]:
+    """One ``manifest.jsonl`` record: where an image's (a video chunk's) tokens lie and how it was processed."""
+    plan = item.plan
+    line = {
+        "id": item_id(entry, item),
         "path": entry.image.path,
         "sha256": sha256,
         "size": list(plan.size),
         "resized": list(plan.resized_size),
         "grid_hw": list(plan.grid_hw),
         "num_tokens": num_tokens,
-        "rescaled": entry.item.rescaled,
+        "rescaled": item.rescaled,
         "shard": shard,
         "offset": offset,
     }
+    if item.chunk is not None:
+        chunk = item.chunk.plan
+        line.update(
+            video_id=entry.image.id,
+            chunk=chunk.chunk,
+            timestamp=chunk.timestamp,
+            frames=chunk.frames,
+            frame_indices=list(chunk.frame_indices),
+            grid_thw=[chunk.frames, *plan.grid_hw],
+        )
+    return line
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -500,7 +534,7 @@ def _export(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> dic
     if problem is not None:
         raise ExportError(problem)
 
-    planned = plan_all(images, models.processor, args.max_patches_per_pack, ranks)
+    planned = plan_all(images, models, args.max_patches_per_pack, ranks)
     layout = shard_ranges(len(images), args.shard_size)
     costs = [sum(planned[i].num_patches for i in shard) for shard in layout]
     mine = split_balanced(costs, ranks.world_size)[ranks.rank]

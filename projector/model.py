@@ -220,22 +220,46 @@ class Layout:
     """How a checkpoint names the projector's modules.
 
     Attributes:
-        prefix: prepended to every tensor name.
-        modules: this project's module name -> the checkpoint's module name.
+        name: what the layout is called in messages.
+        modules: this project's module name -> the checkpoint's full module name.
     """
 
-    prefix: str
+    name: str
     modules: dict[str, str]
 
     def checkpoint_name(self, name: str) -> str:
         """``linear_1.weight`` -> e.g. ``mm_projector.proj.0.weight``."""
         module, kind = name.rsplit(".", 1)
-        return f"{self.prefix}{self.modules[module]}.{kind}"
+        return f"{self.modules[module]}.{kind}"
+
+    def owns(self, name: str) -> bool:
+        """Whether a checkpoint tensor lies under one of the layout's projector modules' roots
+        (``mm_projector.``, ...), so that stray tensors there are reported, not skipped."""
+        roots = {module[: module.index("projector.") + len("projector.")] for module in self.modules.values()}
+        return any(name.startswith(root) for root in roots)
 
 
-OWN_LAYOUT = Layout("", {"pre_norm": "pre_norm", "linear_1": "linear_1", "linear_2": "linear_2"})
-KIMI_VL_LAYOUT = Layout("multi_modal_projector.", OWN_LAYOUT.modules)
-KIMI_K25_LAYOUT = Layout("mm_projector.", {"pre_norm": "pre_norm", "linear_1": "proj.0", "linear_2": "proj.2"})
+OWN_LAYOUT = Layout("moonvit", {"pre_norm": "pre_norm", "linear_1": "linear_1", "linear_2": "linear_2"})
+KIMI_VL_LAYOUT = Layout(
+    "Kimi-VL",
+    {"pre_norm": "multi_modal_projector.pre_norm", "linear_1": "multi_modal_projector.linear_1",
+     "linear_2": "multi_modal_projector.linear_2"},
+)  # fmt: skip
+KIMI_K25_LAYOUT = Layout(
+    "Kimi-K2.5 release",
+    {"pre_norm": "mm_projector.pre_norm", "linear_1": "mm_projector.proj.0", "linear_2": "mm_projector.proj.2"},
+)
+# transformers' in-memory names, and what its save_pretrained writes (one module renamed back only).
+KIMI_K25_NATIVE_LAYOUT = Layout(
+    "Kimi-K2.5 transformers",
+    {"pre_norm": "model.mm_projector.pre_norm", "linear_1": "model.mm_projector.in_proj",
+     "linear_2": "model.mm_projector.out_proj"},
+)  # fmt: skip
+KIMI_K25_HYBRID_LAYOUT = Layout(
+    "Kimi-K2.5 transformers-saved",
+    {"pre_norm": "model.mm_projector.pre_norm", "linear_1": "mm_projector.proj.0", "linear_2": "mm_projector.proj.2"},
+)
+KIMI_LAYOUTS = (KIMI_VL_LAYOUT, KIMI_K25_LAYOUT, KIMI_K25_NATIVE_LAYOUT, KIMI_K25_HYBRID_LAYOUT)
 
 
 def _read_own_format(folder: Path) -> tuple[ProjectorConfig, Layout, dict[Path, list[str]]]:
@@ -252,9 +276,12 @@ def _config_from_kimi(values: dict[str, Any], folder: Path) -> ProjectorConfig:
     """The ``"kimi"`` projector config of a Kimi-VL or Kimi-K2.5 ``config.json``.
 
     D is read from ``vision_config`` (``mm_hidden_size``, ``hidden_size`` or K2.5's
-    remote-code ``vt_hidden_size``), the output width from ``text_config.hidden_size``.
+    release ``vt_hidden_size``) or transformers' top-level ``projection_hidden_size``;
+    the output width from ``text_config.hidden_size`` (or K2.5's
+    ``vision_config.text_hidden_size``); the LayerNorm eps from
+    ``projector_ln_eps`` / ``projection_layer_norm_eps``.
     """
-    vision, text = values.get("vision_config"), values.get("text_config")
+    vision, text = values.get("vision_config"), values.get("text_config") or {}
     if not isinstance(vision, dict) or not isinstance(text, dict):
         raise CheckpointError(
             f"{folder}/config.json has no vision_config and text_config (not a Kimi-VL or Kimi-K2.5 "
@@ -269,27 +296,32 @@ def _config_from_kimi(values: dict[str, Any], folder: Path) -> ProjectorConfig:
             "only 'patchmerger' with exact 'gelu' is implemented"
         )
     vision_hidden = next((vision[k] for k in VISION_HIDDEN_KEYS if vision.get(k)), None)
-    if vision_hidden is None or "hidden_size" not in text:
+    vision_hidden = values.get("projection_hidden_size") or vision_hidden
+    text_hidden = text.get("hidden_size", vision.get("text_hidden_size"))
+    if vision_hidden is None or text_hidden is None:
         raise CheckpointError(
             f"{folder}/config.json lacks the vision width (vision_config.{' / '.join(VISION_HIDDEN_KEYS)}) "
-            "or text_config.hidden_size"
+            "or the text width (text_config.hidden_size)"
         )
     return ProjectorConfig(
         projector_type="kimi",
         vision_hidden_size=vision_hidden,
-        text_hidden_size=text["hidden_size"],
+        text_hidden_size=text_hidden,
         merge_kernel_size=vision.get("merge_kernel_size", (2, 2)),
-        layer_norm_eps=vision.get("projector_ln_eps", 1e-5),
+        layer_norm_eps=vision.get("projector_ln_eps", values.get("projection_layer_norm_eps", 1e-5)),
     )
 
 
 def _find_kimi_projector(folder: Path) -> tuple[Layout, dict[Path, list[str]]]:
-    """The layout whose tensors the folder holds, and the files that hold them."""
-    for layout in (KIMI_VL_LAYOUT, KIMI_K25_LAYOUT):
-        files = tensor_files(folder, layout.prefix)
-        if any(files.values()):
-            return layout, files
+    """The layout whose tensors the folder holds, and the files that hold them (only those)."""
+    everything = tensor_files(folder, "")
+    present = {name for names in everything.values() for name in names}
+    for layout in KIMI_LAYOUTS:
+        wanted = {layout.checkpoint_name(f"{module}.weight") for module in layout.modules}
+        if wanted <= present:
+            files = {file: [name for name in found if layout.owns(name)] for file, found in everything.items()}
+            return layout, {file: found for file, found in files.items() if found}
     raise CheckpointError(
         f"{folder} holds no projector tensors "
-        f"({KIMI_VL_LAYOUT.prefix}* for Kimi-VL or {KIMI_K25_LAYOUT.prefix}* for Kimi-K2.5)"
+        f"(multi_modal_projector.* for Kimi-VL, mm_projector.* or model.mm_projector.* for Kimi-K2.5)"
     )

@@ -168,3 +168,133 @@ class SafeOpenSpy:
 
         for module in modules:
             monkeypatch.setattr(module, "safe_open", Handle)
+
+
+# ---- Kimi-K2.5 / K2.6 folders -------------------------------------------------------------------
+
+
+def tiny_k25_config(text_hidden_size: int = 32, **vision):
+    """transformers' Kimi_K25Config of a tiny tower (the `tiny` preset's sizes) and a tiny LLM."""
+    from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
+
+    text = dict(
+        model_type="deepseek_v3", hidden_size=text_hidden_size, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=2,
+        num_experts_per_tok=1, n_shared_experts=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, vocab_size=200, first_k_dense_replace=1,
+    )  # fmt: skip
+    vision = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128,
+                  pos_emb_height=64, pos_emb_width=64, **vision)  # fmt: skip
+    return Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=64)
+
+
+def k25_full_model(model: MoonViT, projector: MoonViTProjector):
+    """transformers' Kimi_K25ForConditionalGeneration holding ``model``'s tower (through
+    transformers' own RoPE permutation) and ``projector``'s weights; a random tiny LLM."""
+    from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25ForConditionalGeneration
+
+    from moonvit.weights.transformers import to_transformers
+
+    full = Kimi_K25ForConditionalGeneration(tiny_k25_config(projector.config.text_hidden_size)).eval()
+    full.model.vision_tower.load_state_dict(to_transformers(model).state_dict())
+    p = projector.state_dict()
+    full.model.mm_projector.load_state_dict(
+        {"pre_norm.weight": p["pre_norm.weight"], "pre_norm.bias": p["pre_norm.bias"],
+         "in_proj.weight": p["linear_1.weight"], "in_proj.bias": p["linear_1.bias"],
+         "out_proj.weight": p["linear_2.weight"], "out_proj.bias": p["linear_2.bias"]}
+    )  # fmt: skip
+    return full
+
+
+def write_k25_release_folder(folder: Path, model: MoonViT, projector: MoonViTProjector, sharded: bool = True) -> Path:
+    """A folder laid out like a Kimi-K2.5 / K2.6 release: ``vt_*`` keys in ``vision_config`` (with
+    the projector's ``mm_*`` fields), tensors ``vision_tower.*`` and ``mm_projector.proj.{0,2}``, and
+    language-model tensors in a shard of their own."""
+    folder.mkdir(parents=True, exist_ok=True)
+    c = model.config
+    config = {
+        "model_type": "kimi_k25",
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "vision_config": {
+            "patch_size": c.patch_size, "init_pos_emb_height": c.init_pos_emb_height,
+            "init_pos_emb_width": c.init_pos_emb_width, "init_pos_emb_time": c.init_pos_emb_time,
+            "pos_emb_type": "divided_fixed", "vt_hidden_size": c.hidden_size,
+            "vt_intermediate_size": c.intermediate_size, "vt_num_attention_heads": c.num_attention_heads,
+            "vt_num_hidden_layers": c.num_hidden_layers, "merge_kernel_size": list(c.merge_kernel_size),
+            "merge_type": "sd2_tpool", "video_attn_type": "spatial_temporal", "mm_projector_type": "patchmerger",
+            "mm_hidden_size": c.hidden_size, "text_hidden_size": projector.config.text_hidden_size,
+            "projector_hidden_act": "gelu", "projector_ln_eps": 1e-5,
+        },
+        "text_config": {"model_type": "kimi_k2", "hidden_size": projector.config.text_hidden_size},
+        "media_placeholder_token_id": 163605,
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    p = projector.state_dict()
+    tower = {f"vision_tower.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
+    proj = {
+        "mm_projector.pre_norm.weight": p["pre_norm.weight"], "mm_projector.pre_norm.bias": p["pre_norm.bias"],
+        "mm_projector.proj.0.weight": p["linear_1.weight"], "mm_projector.proj.0.bias": p["linear_1.bias"],
+        "mm_projector.proj.2.weight": p["linear_2.weight"], "mm_projector.proj.2.bias": p["linear_2.bias"],
+    }  # fmt: skip
+    llm = {"language_model.model.embed_tokens.weight": torch.zeros(8, 4)}
+    shards = {"model-00001-of-00002.safetensors": {**tower, **proj}, "model-00002-of-00002.safetensors": llm}
+    if not sharded:
+        save_file({**tower, **proj, **llm}, folder / "model.safetensors")
+        return folder
+    weight_map = {}
+    for file, tensors in shards.items():
+        save_file({k: v.contiguous() for k, v in tensors.items()}, folder / file)
+        weight_map.update(dict.fromkeys(tensors, file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+def write_k25_transformers_folders(tmp_path: Path, model: MoonViT, projector: MoonViTProjector) -> dict[str, Path]:
+    """The same tower and projector as transformers keeps them: ``hybrid`` is what its own
+    ``save_pretrained`` writes, ``native`` its in-memory (state-dict) names."""
+    full = k25_full_model(model, projector)
+    hybrid = tmp_path / "hybrid"
+    full.save_pretrained(hybrid)
+    native = tmp_path / "native"
+    native.mkdir()
+    (native / "config.json").write_text(full.config.to_json_string())
+    save_file({k: v.detach().clone().contiguous() for k, v in full.state_dict().items()}, native / "model.safetensors")
+    return {"hybrid": hybrid, "native": native}
+
+
+# ---- videos --------------------------------------------------------------------------------------
+
+
+def frame_pixels(index: int, height: int, width: int) -> np.ndarray:
+    """(H, W, 3) uint8 frame that encodes its index: a gray level of 8 * index, plus a colour ramp."""
+    frame = np.zeros((height, width, 3), dtype=np.uint8)
+    frame[..., 0] = (8 * index) % 256
+    frame[..., 1] = np.linspace(0, 255, width, dtype=np.uint8)[None, :]
+    frame[..., 2] = np.linspace(0, 255, height, dtype=np.uint8)[:, None]
+    return frame
+
+
+def write_video(
+    path: Path, num_frames: int, fps: float, size: tuple[int, int] = (64, 48), codec: str = "ffv1", **options: str
+) -> Path:
+    """A synthetic video of ``num_frames`` frames (see :func:`frame_pixels`) at ``fps``.
+
+    ``ffv1`` (in .mkv) is lossless, so decoded frames equal the written ones; ``libx264``
+    (.mp4) is the common lossy case.
+    """
+    import fractions
+
+    import av
+
+    width, height = size
+    with av.open(str(path), "w", options=options) as container:
+        stream = container.add_stream(codec, rate=fractions.Fraction(fps).limit_denominator(1000))
+        stream.width, stream.height = width, height
+        stream.pix_fmt = "bgr0" if codec == "ffv1" else "yuv420p"
+        for i in range(num_frames):
+            frame = av.VideoFrame.from_ndarray(frame_pixels(i, height, width), format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path

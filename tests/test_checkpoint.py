@@ -109,8 +109,8 @@ def test_kimi_vl_config_is_read(tmp_path):
         "text_config": {"hidden_size": 2048},
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    parsed, prefix = checkpoint.read_config(tmp_path)
-    assert parsed == MoonViTConfig() and prefix == "vision_tower."
+    parsed, layout = checkpoint.read_config(tmp_path)
+    assert parsed == MoonViTConfig() and layout.prefix == "vision_tower."
 
 
 def broken(tmp_path, edit):

@@ -12,6 +12,7 @@ from moonvit import MoonViT, build_packed_grid, pool_features, preset_config, to
 from moonvit.model.blocks import drop_path_per_item
 
 CONFIG = preset_config("tiny")
+CONFIG_3D = preset_config("tiny", init_pos_emb_time=4)
 
 
 # ---- the time axis -----------------------------------------------------------------------------
@@ -28,7 +29,7 @@ def test_images_as_n_by_2_and_as_t_equals_1_rows_give_the_same_grid():
 
 
 def test_a_clip_repeats_its_frame_raster_and_numbers_its_frames():
-    grid = build_packed_grid([[3, 2, 4], [1, 2, 2]], CONFIG)
+    grid = build_packed_grid([[3, 2, 4], [1, 2, 2]], CONFIG_3D)
     assert grid.seqlens == (24, 4) and grid.cu_seqlens.tolist() == [0, 24, 28]
     frame = [(r, c) for r in range(2) for c in range(4)]
     assert [tuple(p) for p in grid.positions[:24].tolist()] == frame * 3
@@ -41,7 +42,7 @@ def test_a_clip_repeats_its_frame_raster_and_numbers_its_frames():
 
 
 def test_clip_frames_share_merge_slots_and_average():
-    grid = build_packed_grid([[2, 2, 4], [1, 2, 2]], CONFIG)
+    grid = build_packed_grid([[2, 2, 4], [1, 2, 2]], CONFIG_3D)
     assert grid.merge_index is None and grid.num_slots == 8 + 4
     assert grid.pool_index[:8].tolist() == grid.pool_index[8:16].tolist()
     assert grid.pool_weight.tolist() == [0.5] * 16 + [1.0] * 4
@@ -50,14 +51,19 @@ def test_clip_frames_share_merge_slots_and_average():
 
 def test_bad_frame_counts_are_named():
     with pytest.raises(ValueError, match="clip 1: grid 0x2x2 has 0 frames"):
-        build_packed_grid([[1, 2, 2], [0, 2, 2]], CONFIG)
+        build_packed_grid([[1, 2, 2], [0, 2, 2]], CONFIG_3D)
+    with pytest.raises(ValueError, match="clip 0: grid 5x2x2 has 5 frames, over the 4 this encoder takes"):
+        build_packed_grid([[5, 2, 2]], CONFIG_3D)
 
 
 def test_an_encoder_without_a_time_table_refuses_clips():
     model = tiny_model()
     pixels, _ = random_pack([(4, 4)])
-    with pytest.raises(ValueError, match="no temporal position embedding"):
+    with pytest.raises(ValueError, match="has no temporal embedding"):
         model(pixels, [[2, 2, 4]])
+    clip_grid = MoonViT(CONFIG_3D).prepare_grid([[2, 2, 4]])
+    with pytest.raises(ValueError, match="over the 1 this encoder takes"):
+        model(pixels, grid=clip_grid)
 
 
 # ---- kept patches (token dropping, MAE) -------------------------------------------------------

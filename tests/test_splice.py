@@ -298,3 +298,19 @@ def test_both_conventions_give_the_same_loss():
         labels = torch.where((input_ids == IMAGE) | (input_ids == PAD), IGNORE_INDEX, input_ids)
         spliced_loss = lm(inputs_embeds=embeds, attention_mask=mask, labels=labels).loss
     torch.testing.assert_close(spliced_loss, compact_loss)
+
+
+def test_chunks_count_their_spatial_tokens_whatever_their_frames():
+    from projector import expand_media_pads, media_prompt, video_prompt
+
+    assert visual_token_counts(torch.tensor([[4, 4, 6], [1, 2, 2], [3, 2, 4]])) == [6, 1, 2]
+    text = media_prompt() + " and " + video_prompt([0.0, 2.5])
+    assert text == (
+        "<|media_begin|>image<|media_content|><|media_pad|><|media_end|> and "
+        "00:00:00.000<|media_begin|>video<|media_content|><|media_pad|><|media_end|>"
+        "00:00:02.500<|media_begin|>video<|media_content|><|media_pad|><|media_end|>"
+    )
+    expanded = expand_media_pads(text, [[1, 2, 4], [4, 4, 4], [2, 2, 2]])
+    assert [part.count("<|media_pad|>") for part in expanded.split("<|media_content|>")[1:]] == [2, 4, 1]
+    with pytest.raises(ValueError, match="holds 3 <\\|media_pad\\|> placeholders for 2 items"):
+        expand_media_pads(text, [[2, 2], [2, 2]])

@@ -1,14 +1,16 @@
-"""Media in: decoding images, the processor's geometry and normalisation, token-budget packing.
+"""Media in: decoding images, the processor's geometry and normalisation, videos, token-budget packing.
 
 :mod:`.image` turns any supported input into an RGB PIL image (or names why it
 cannot), :mod:`.processor` resizes, pads, normalises and patchifies
-(``pixel_values``, ``grid_hws``), :mod:`.packing` plans packs of whole images
+(``pixel_values``, ``grid_hws``), :mod:`.video` samples videos into chunks of up
+to 4 frames (Kimi-K2.5), :mod:`.packing` plans packs of whole images and chunks
 under a patch budget from their sizes alone.
 """
 
 from .image import IMAGE_EXTENSIONS, ImageInput, ImageLoadError, ImageTooLargeError, image_size, is_image, load_image
 from .packing import DEFAULT_MAX_PATCHES_PER_PACK, Pack, PackItem, group_into_packs, pack_images, plan_pack_item
 from .processor import ImageBatch, ImagePlan, MoonViTImageProcessor, patchify, unpatchify
+from .video import VIDEO_EXTENSIONS, MoonViTVideoProcessor, VideoBatch, VideoFrames, VideoLoadError, is_video
 
 __all__ = [
     "DEFAULT_MAX_PATCHES_PER_PACK",
@@ -18,12 +20,18 @@ __all__ = [
     "ImageLoadError",
     "ImagePlan",
     "ImageTooLargeError",
+    "VIDEO_EXTENSIONS",
+    "VideoBatch",
+    "VideoFrames",
+    "VideoLoadError",
     "MoonViTImageProcessor",
+    "MoonViTVideoProcessor",
     "Pack",
     "PackItem",
     "group_into_packs",
     "image_size",
     "is_image",
+    "is_video",
     "load_image",
     "pack_images",
     "patchify",

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 
 from .image import ImageInput, image_size, is_image
 from .processor import ImagePlan, MoonViTImageProcessor
+from .video import MoonViTVideoProcessor, VideoChunk, VideoSource, is_video
+
+MediaInput = ImageInput | VideoSource
+"""An image input, or a video (a file path with a video ending, or VideoFrames)."""
 
 __all__ = [
     "DEFAULT_MAX_PATCHES_PER_PACK",
@@ -34,24 +38,45 @@ default never rescales an image there."""
 
 @dataclass(frozen=True)
 class PackItem:
-    """One image of a pack.
+    """One item of a pack: an image, or one chunk of a video.
 
     Attributes:
-        index: position in the input.
-        source: the input itself, decoded only when its pack is processed.
-        plan: its geometry through the processor.
+        index: position in the input (a video's chunks share it).
+        source: the image input, decoded only when its pack is processed, or a
+            :class:`~moonvit.media.video.VideoChunk`.
+        plan: its geometry through the processor (a chunk's: each frame's).
         in_token_limit: the reduced size budget it was planned with because, alone, it exceeded
             the pack budget; None when the processor's own rule applies.
     """
 
     index: int
-    source: ImageInput
+    source: ImageInput | VideoChunk
     plan: ImagePlan
     in_token_limit: int | None
 
     @property
     def rescaled(self) -> bool:
         return self.in_token_limit is not None
+
+    @property
+    def chunk(self) -> VideoChunk | None:
+        """The video chunk this item is, or None for an image."""
+        return self.source if isinstance(self.source, VideoChunk) else None
+
+    @property
+    def frames(self) -> int:
+        """t: 1 for an image, the chunk's frames for a video chunk."""
+        return 1 if self.chunk is None else self.chunk.plan.frames
+
+    @property
+    def num_patches(self) -> int:
+        """t * h * w, the encoder rows the item takes."""
+        return self.frames * self.plan.num_patches
+
+    @property
+    def key(self) -> tuple[int, int | None]:
+        """(input position, chunk position or None): unique among a run's items."""
+        return (self.index, None if self.chunk is None else self.chunk.plan.chunk)
 
 
 @dataclass(frozen=True)
@@ -67,32 +92,44 @@ class Pack:
 
     @property
     def num_patches(self) -> int:
-        return sum(item.plan.num_patches for item in self.items)
+        return sum(item.num_patches for item in self.items)
 
 
 def pack_images(
-    images: ImageInput | Iterable[ImageInput],
+    images: MediaInput | Iterable[MediaInput],
     processor: MoonViTImageProcessor,
     max_patches_per_pack: int = DEFAULT_MAX_PATCHES_PER_PACK,
+    video_processor: MoonViTVideoProcessor | None = None,
 ) -> Iterator[Pack]:
-    """Greedily group ``images`` into packs of at most ``max_patches_per_pack`` patches.
+    """Greedily group ``images`` (and videos) into packs of at most ``max_patches_per_pack`` patches.
 
-    Packs come in input order and each image lies whole in one pack. ``images`` is consumed
-    lazily, one image ahead of the pack being yielded; only sizes are read (file headers, array
-    shapes). An image whose padded grid alone exceeds the budget gets the largest
-    ``in_token_limit`` whose padded grid fits, recorded in its :class:`PackItem`.
+    Packs come in input order and each image or video chunk lies whole in one pack; a video
+    (a file with a video ending, or :class:`~moonvit.media.video.VideoFrames`) becomes its chunks,
+    planned by ``video_processor`` (default: :meth:`MoonViTVideoProcessor.for_images` of
+    ``processor``). ``images`` is consumed lazily, one input ahead of the pack being yielded;
+    only sizes are read (file headers, array shapes, container metadata). An item whose padded
+    grid alone exceeds the budget gets the largest ``in_token_limit`` whose grid fits, recorded
+    in its :class:`PackItem`.
 
     Raises:
-        ImageLoadError: an input cannot be read as an image; the message gives its position.
+        ImageLoadError: an input cannot be read; the message gives its position.
         ValueError: the budget is below one merged token, or an image cannot be made to fit it
             (or exceeds the position table, see :meth:`MoonViTImageProcessor.plan_image`).
     """
     group = processor.merge_kernel_size[0] * processor.merge_kernel_size[1]
     if max_patches_per_pack < group:
         raise ValueError(f"max_patches_per_pack must hold at least one merged token ({group} patches)")
-    sources: Iterable[ImageInput] = [images] if is_image(images) else images  # type: ignore[list-item,assignment]
-    items = (plan_pack_item(index, source, processor, max_patches_per_pack) for index, source in enumerate(sources))
-    yield from group_into_packs(items, max_patches_per_pack)
+    sources: Iterable[MediaInput] = [images] if is_image(images) or is_video(images) else images  # type: ignore[list-item,assignment]
+    videos = video_processor or MoonViTVideoProcessor.for_images(processor)
+
+    def items() -> Iterator[PackItem]:
+        for index, source in enumerate(sources):
+            if is_video(source):
+                yield from plan_video_items(index, source, videos, max_patches_per_pack)  # type: ignore[arg-type]
+            else:
+                yield plan_pack_item(index, source, processor, max_patches_per_pack)  # type: ignore[arg-type]
+
+    yield from group_into_packs(items(), max_patches_per_pack)
 
 
 def group_into_packs(items: Iterable[PackItem], max_patches_per_pack: int) -> Iterator[Pack]:
@@ -100,11 +137,11 @@ def group_into_packs(items: Iterable[PackItem], max_patches_per_pack: int) -> It
     group: list[PackItem] = []
     total = 0
     for item in items:
-        if group and total + item.plan.num_patches > max_patches_per_pack:
+        if group and total + item.num_patches > max_patches_per_pack:
             yield Pack(tuple(group))
             group, total = [], 0
         group.append(item)
-        total += item.plan.num_patches
+        total += item.num_patches
     if group:
         yield Pack(tuple(group))
 
@@ -134,6 +171,30 @@ def plan_pack_item(index: int, source: ImageInput, processor: MoonViTImageProces
         budget,
     )
     return PackItem(index, source, plan, limit)
+
+
+def plan_video_items(index: int, source: VideoSource, processor: MoonViTVideoProcessor, budget: int) -> list[PackItem]:
+    """A video's chunks as pack items, from its metadata alone; every frame of a chunk whose
+    t * h * w alone exceeds ``budget`` is scaled down to fit (one per-frame limit for the video).
+
+    Raises:
+        ImageLoadError (VideoLoadError), ValueError: the video cannot be read or planned, the
+            message prefixed with the input position.
+    """
+    try:
+        chunks = processor.chunks(source)
+        info = chunks[0].info
+        plan = processor.plan_frame(info)
+        longest = max(chunk.plan.frames for chunk in chunks)
+        limit = None
+        if longest * plan.num_patches > budget:
+            limit = _fit_token_limit(processor.frame_processor, info.size, budget // longest)
+            plan = processor.plan_frame(info, limit)
+            logger.info("video %d: frames scaled to %dx%d px to fit max_patches_per_pack=%d", index,
+                        *plan.resized_size, budget)  # fmt: skip
+    except ValueError as error:  # VideoLoadError included: keep the type, add the position
+        raise type(error)(f"input video {index}: {error}") from error
+    return [PackItem(index, chunk, plan, limit) for chunk in chunks]
 
 
 def _fit_token_limit(processor: MoonViTImageProcessor, size: tuple[int, int], budget: int) -> int:

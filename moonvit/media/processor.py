@@ -206,9 +206,11 @@ class MoonViTImageProcessor:
     def from_pretrained(cls, path: str | os.PathLike, **overrides: Any) -> MoonViTImageProcessor:
         """Read ``preprocessor_config.json`` from a checkpoint folder (or the file itself).
 
-        A folder without the file gives the defaults. Keys that are not fields (such as
-        Kimi-VL's ``num_pooled_tokens``, ``image_processor_type`` or ``auto_map``) are ignored;
-        ``overrides`` replace the file's values.
+        Three forms are read (see :func:`image_settings`): this project's and Kimi-VL's flat
+        fields, a Kimi-K2.5 / K2.6 release's ``media_proc_cfg``, and transformers'
+        ``Kimi_K25ImageProcessor`` keys. A folder without the file gives the defaults. Keys
+        that are not fields (such as Kimi-VL's ``num_pooled_tokens``, ``image_processor_type``
+        or ``auto_map``) are ignored; ``overrides`` replace the file's values.
         """
         path = Path(path)
         file = path / CONFIG_NAME if path.is_dir() else path
@@ -216,9 +218,13 @@ class MoonViTImageProcessor:
             logger.info("no %s in %s: using the default processor settings", CONFIG_NAME, path)
             return cls(**overrides)
         config = json.loads(file.read_text())
-        known = {f.name for f in dataclasses.fields(cls)}
-        logger.debug("ignoring preprocessor keys %s", sorted(config.keys() - known))
-        return cls(**{**{k: v for k, v in config.items() if k in known}, **overrides})
+        return cls(**{**image_settings(config), **overrides})
+
+    @classmethod
+    def kimi_k25(cls, **overrides: Any) -> MoonViTImageProcessor:
+        """Kimi-K2.5 / K2.6's image rule: 16384 patches, the per-side cap folded into the resize,
+        mean / std 0.5."""
+        return cls(**{"in_token_limit": 16384, "side_limit_mode": "resize", **overrides})
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
         """Write the settings to ``directory/preprocessor_config.json`` and return that path."""
@@ -314,14 +320,14 @@ class MoonViTImageProcessor:
         for source, limit in zip(sources, limits):
             image = self.load_image(source)
             plan = self.plan_image(*image.size, in_token_limit=limit)
-            patches.append(patchify(self._render(image, plan), self.patch_size))
+            patches.append(patchify(self.render(image, plan), self.patch_size))
             grids.append(plan.grid_hw)
         p = self.patch_size
         pixels = torch.cat(patches) if patches else torch.empty((0, 3, p, p), dtype=torch.uint8)
-        return ImageBatch(self._normalize(pixels), torch.tensor(grids, dtype=torch.int64).reshape(-1, 2))
+        return ImageBatch(self.normalize(pixels), torch.tensor(grids, dtype=torch.int64).reshape(-1, 2))
 
     @staticmethod
-    def _render(image: Image.Image, plan: ImagePlan) -> torch.Tensor:
+    def render(image: Image.Image, plan: ImagePlan) -> torch.Tensor:
         """Resize (Pillow bicubic on uint8) and pad an RGB image: (3, rows * p, cols * p) uint8."""
         if image.size != plan.resized_size:
             image = image.resize(plan.resized_size, Image.Resampling.BICUBIC)
@@ -329,7 +335,7 @@ class MoonViTImageProcessor:
             image = image.crop(plan.box)  # Pillow fills the area past the image with 0: black padding
         return torch.from_numpy(np.array(image)).permute(2, 0, 1)
 
-    def _normalize(self, pixels: torch.Tensor) -> torch.Tensor:
+    def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
         """uint8 (..., 3, p, p) -> float32 ``(x / 255 - mean) / std``, in upstream's op order."""
         mean = torch.tensor(self.image_mean).view(3, 1, 1)
         std = torch.tensor(self.image_std).view(3, 1, 1)
@@ -359,3 +365,71 @@ def _as_tuple(name: str, value: Any, length: int, kind: type) -> tuple:
     if len(values) != length:
         raise ValueError(f"{name} must hold {length} values, got {value!r}")
     return tuple(kind(v) for v in values)
+
+
+# ---- preprocessor_config.json forms ------------------------------------------------------------
+
+
+def _fields_of(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    known = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in values.items() if k in known}
+
+
+def image_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """:class:`MoonViTImageProcessor` fields from any of the ``preprocessor_config.json`` forms:
+
+    - flat fields (this project's, Kimi-VL's): taken as they are;
+    - ``media_proc_cfg`` (Kimi-K2.5 / K2.6 releases): ``in_patch_limit`` is the budget,
+      ``patch_limit_on_one_side`` the per-side cap, applied by resizing;
+    - transformers' ``Kimi_K25ImageProcessor``: ``max_patches``, ``size.max_height``, ``merge_size``.
+    """
+    if isinstance(config.get("media_proc_cfg"), dict):
+        media = config["media_proc_cfg"]
+        fields = _fields_of(MoonViTImageProcessor, media)
+        fields["side_limit_mode"] = "resize"
+        if "in_patch_limit" in media:
+            fields["in_token_limit"] = media["in_patch_limit"]
+        return fields
+    if str(config.get("image_processor_type", "")).startswith("Kimi_K25") or "max_patches" in config:
+        fields = _fields_of(MoonViTImageProcessor, config)
+        fields["side_limit_mode"] = "resize"
+        if "max_patches" in config:
+            fields["in_token_limit"] = config["max_patches"]
+        if "merge_size" in config:
+            fields["merge_kernel_size"] = config["merge_size"]
+        size = config.get("size") or {}
+        if "max_height" in size:
+            fields["patch_limit_on_one_side"] = size["max_height"]
+        return fields
+    return _fields_of(MoonViTImageProcessor, config)
+
+
+VIDEO_CONFIG_NAME = "video_preprocessor_config.json"
+
+
+def read_video_settings(path: str | os.PathLike, cls: type, **overrides: Any) -> Any:
+    """A :class:`~moonvit.media.video.MoonViTVideoProcessor` from a checkpoint folder.
+
+    Its frames use the folder's image settings (:meth:`MoonViTImageProcessor.from_pretrained`)
+    with K2.5's per-side cap and per-frame budget: ``in_patch_limit_each_frame`` of a release's
+    ``media_proc_cfg`` (default 4096), or ``max_patches`` of transformers'
+    ``video_preprocessor_config.json``; the sampling rate (``sample_fps`` / ``fps``) and the chunk
+    length (``temporal_merge_kernel_size`` / ``temporal_patch_size``) likewise.
+    """
+    folder = Path(path)
+    image = MoonViTImageProcessor.from_pretrained(folder)
+    release: dict[str, Any] = {}
+    if (folder / CONFIG_NAME).is_file():
+        media = json.loads((folder / CONFIG_NAME).read_text()).get("media_proc_cfg")
+        release = media if isinstance(media, dict) else {}
+    video = json.loads((folder / VIDEO_CONFIG_NAME).read_text()) if (folder / VIDEO_CONFIG_NAME).is_file() else {}
+    frame_limit = release.get("in_patch_limit_each_frame") or video.get("max_patches") or 4096
+    frames = dataclasses.replace(image, in_token_limit=int(frame_limit), side_limit_mode="resize")
+    settings: dict[str, Any] = {"frame_processor": frames}
+    rate = release.get("sample_fps", video.get("sample_fps", video.get("fps")))
+    if rate is not None:
+        settings["sample_fps"] = float(rate)
+    chunk = release.get("temporal_merge_kernel_size", video.get("frames_per_chunk", video.get("temporal_patch_size")))
+    if chunk is not None:
+        settings["frames_per_chunk"] = int(chunk)
+    return cls(**{**settings, **overrides})

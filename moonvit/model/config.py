@@ -46,6 +46,10 @@ class MoonViTConfig(DictConfig):
     checkpoint maps one to one; the defaults are the released model
     (SigLIP-SO400M dimensions).
 
+    ``init_pos_emb_time`` is the number of rows of the fixed sin-cos temporal
+    table of Kimi-K2.5 / K2.6's tower (MoonViT3d): 4, the most frames a clip
+    may have; 0 (Kimi-VL) means an image-only tower.
+
     ``drop_path_rate`` is a training option (stochastic depth, drawn per image,
     growing linearly with depth to this rate at the last block); it has no
     effect in eval mode.
@@ -54,6 +58,7 @@ class MoonViTConfig(DictConfig):
     patch_size: int = 14
     init_pos_emb_height: int = 64
     init_pos_emb_width: int = 64
+    init_pos_emb_time: int = 0
     num_attention_heads: int = 16
     num_hidden_layers: int = 27
     hidden_size: int = 1152
@@ -75,6 +80,8 @@ class MoonViTConfig(DictConfig):
             )
         if self.head_dim % 4:
             raise ValueError(f"2D RoPE needs head_dim divisible by 4, got {self.head_dim}")
+        if self.init_pos_emb_time < 0:
+            raise ValueError(f"init_pos_emb_time must be >= 0 (0: no temporal table), got {self.init_pos_emb_time}")
         if not 0.0 <= self.drop_path_rate < 1.0:
             raise ValueError(f"drop_path_rate must lie in [0, 1), got {self.drop_path_rate}")
         check_attn_name(self.attn_implementation)
@@ -82,6 +89,11 @@ class MoonViTConfig(DictConfig):
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def max_frames(self) -> int:
+        """The most frames a clip may have: the temporal table's rows, or 1 for an image-only tower."""
+        return max(self.init_pos_emb_time, 1)
 
     @property
     def tokens_per_merge(self) -> int:
@@ -96,6 +108,8 @@ class MoonViTConfig(DictConfig):
 PRESETS: dict[str, dict[str, Any]] = {
     # The released Kimi-VL / MoonViT-SO-400M tower.
     "so400m": {},
+    # The Kimi-K2.5 / K2.6 tower (MoonViT3d): the same, with a 4-frame temporal table.
+    "so400m-3d": dict(init_pos_emb_time=4),
     # CPU demos and experiments.
     "small": dict(num_hidden_layers=6, hidden_size=384, num_attention_heads=6, intermediate_size=1536),
     # Tests: a few hundred thousand parameters.

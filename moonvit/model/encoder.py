@@ -40,13 +40,15 @@ class MoonViTOutput:
 
 
 class PatchEmbed(nn.Module):
-    """Conv2d(3 -> D, kernel = stride = patch) on pre-cut patches, plus the resampled position table."""
+    """Conv2d(3 -> D, kernel = stride = patch) on pre-cut patches, plus the resampled position
+    table and, for frame f of a clip of t > 1 frames, row f of the fixed temporal table."""
 
     def __init__(self, config: MoonViTConfig) -> None:
         super().__init__()
         p = config.patch_size
         self.proj = nn.Conv2d(config.num_channels, config.hidden_size, kernel_size=p, stride=p)
         self.pos_emb = LearnablePositionTable(config.init_pos_emb_height, config.init_pos_emb_width, config.hidden_size)
+        self.time_rows = config.init_pos_emb_time
 
     def forward(self, pixel_values: torch.Tensor, grid: PackedGrid) -> torch.Tensor:
         """(L, 3, p, p) -> (L, D)."""
@@ -55,7 +57,28 @@ class PatchEmbed(nn.Module):
         weight = self.proj.weight.flatten(1)
         x = F.linear(pixel_values.flatten(1), weight, self.proj.bias)
         pos = self.pos_emb(grid.pos_emb_index, grid.pos_emb_weight, grid.pos_emb_sizes)
-        return x + (pos if grid.pos_emb_row is None else pos.index_select(0, grid.pos_emb_row))
+        if grid.pos_emb_row is not None:
+            pos = pos.index_select(0, grid.pos_emb_row)
+        if grid.time_index is not None:
+            # Computed, never loaded, on the table's own device and dtype (so no buffer can be
+            # left behind on another device or on meta); row 0 is the zero row of t = 1 items.
+            table = temporal_table(self.time_rows, pos.shape[1], pos.device, pos.dtype)
+            pos = pos + table.index_select(0, grid.time_index)
+        return x + pos
+
+
+def temporal_table(rows: int, dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(rows + 1, dim) fixed temporal embedding with a leading zero row.
+
+    Row f + 1 is frame f's ``[sin(f * w) | cos(f * w)]`` (halves concatenated, sin
+    first) with ``w_i = 10000 ** (-i / (dim / 2))``, i < dim / 2; computed in float64
+    and rounded once to ``dtype``.
+    """
+    half = dim // 2
+    omega = 10000.0 ** (-torch.arange(half, dtype=torch.float64, device=device) / half)
+    angles = torch.arange(rows, dtype=torch.float64, device=device)[:, None] * omega
+    table = torch.cat([angles.sin(), angles.cos()], dim=1)
+    return torch.cat([table.new_zeros(1, dim), table]).to(dtype)
 
 
 class Encoder(nn.Module):
@@ -228,10 +251,10 @@ class MoonViT(nn.Module):
                 raise TypeError("forward needs grid_hws (N, 2) or a precomputed grid")
             grid = self.prepare_grid(grid_hws)
         self._check_pixel_values(pixel_values, grid)
-        if grid.time_index is not None:
+        if grid.max_frames > self.config.max_frames:
             raise ValueError(
-                f"the pack holds clips of up to {grid.max_frames} frames, but this encoder has no temporal "
-                "position embedding (Kimi-VL's MoonViT encodes single frames: t = 1)"
+                f"the grid holds clips of {grid.max_frames} frames, over the {self.config.max_frames} "
+                "this encoder takes (init_pos_emb_time)"
             )
         selected = self._hidden_indices(output_hidden_states, hidden_state_indices)
         attn_implementation = resolve_attn_implementation(self.config.attn_implementation, self.device, self.dtype)

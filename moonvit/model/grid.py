@@ -62,6 +62,7 @@ class PackedGrid:
             kept count when patches were dropped).
         cu_seqlens: (N + 1,) int32, cumulative sequence lengths with a leading 0.
         max_seqlen: the longest item, in rows.
+        max_frames: the most frames of any item (1 for a pack of images).
         positions: (L, 2) int64, (row, col) of each patch inside its frame.
         item_index: (L,) int64, the item each row belongs to.
         rope_rotation: (L, head_dim // 2) complex64, the RoPE rotation of each
@@ -91,6 +92,7 @@ class PackedGrid:
     seqlens: tuple[int, ...]
     cu_seqlens: torch.Tensor
     max_seqlen: int
+    max_frames: int
     positions: torch.Tensor
     item_index: torch.Tensor
     rope_rotation: torch.Tensor
@@ -121,10 +123,6 @@ class PackedGrid:
     def grid_hws(self) -> torch.Tensor:
         """(N, 2) int64 patch rows and columns of each item."""
         return self.grid_thws[:, 1:]
-
-    @property
-    def max_frames(self) -> int:
-        return int(self.grid_thws[:, 0].max())
 
     @property
     def dropped(self) -> bool:
@@ -186,6 +184,15 @@ def validate_grid_thws(grid: GridInput, config: MoonViTConfig) -> list[tuple[int
             raise ValueError(f"{name} has a non-positive side")
         if t < 1:
             raise ValueError(f"{name} has {t} frames; an item has at least 1")
+        if t > config.max_frames:
+            raise ValueError(
+                f"{name} has {t} frames, over the {config.max_frames} this encoder takes"
+                + (
+                    f" (its temporal table has {config.init_pos_emb_time} rows; split longer clips into chunks)"
+                    if config.init_pos_emb_time
+                    else " (Kimi-VL's MoonViT has no temporal embedding: use a Kimi-K2.5 / K2.6 tower for clips)"
+                )
+            )
         if h > config.max_grid_side or w > config.max_grid_side:
             raise ValueError(f"{name} exceeds the {config.max_grid_side} patches per side of the RoPE table")
         if h % kh or w % kw:
@@ -400,6 +407,7 @@ def _build(
         seqlens=tuple(int(s) for s in seqlens.tolist()),
         cu_seqlens=cu_seqlens,
         max_seqlen=int(seqlens.max()),
+        max_frames=int(frames.max()),
         positions=positions,
         item_index=item,
         rope_rotation=rotation,

@@ -1,17 +1,19 @@
 """Reading and writing MoonViT checkpoints.
 
-Two layouts are read from a local folder:
+Read from a local folder:
 
-- Kimi-VL's: ``config.json`` with a ``vision_config`` and tensors named
-  ``vision_tower.<name>``, usually sharded beside a large language model
-  (``model.safetensors.index.json``). Only the shards that hold vision tensors
-  are opened, and only those tensors are read.
+- Kimi-VL's and Kimi-K2.5 / K2.6's releases: ``config.json`` with a
+  ``vision_config`` and tensors named ``vision_tower.<name>``, usually sharded
+  beside a large language model (``model.safetensors.index.json``). Only the
+  shards that hold vision tensors are opened, and only those tensors are read.
+- transformers' ``kimi_k25`` folders, in its native tensor names or in the
+  hybrid names its ``save_pretrained`` writes (see :mod:`moonvit.weights.formats`).
 - This project's own (also MoonViT-SO-400M's standalone layout): ``config.json``
   with the encoder fields at the top level and unprefixed tensor names in
-  ``model.safetensors``.
+  ``model.safetensors``, which :func:`save_pretrained` writes.
 
 Module names in :class:`~moonvit.model.encoder.MoonViT` equal Kimi-VL's names without
-the ``vision_tower.`` prefix, so no renaming is involved.
+the ``vision_tower.`` prefix, so the release layouts need no renaming.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ from safetensors import safe_open
 
 from ..files import save_safetensors_atomic
 from ..model.config import MoonViTConfig
+from .formats import TensorSource, TowerLayout, detect_tower_layout, encoder_config_from_json
 
 if TYPE_CHECKING:
     from ..model.encoder import MoonViT
 
-KIMI_VL_PREFIX = "vision_tower."
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -48,15 +50,19 @@ def read_json(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not valid JSON: {err}") from err
 
 
-def read_config(folder: Path) -> tuple[MoonViTConfig, str]:
-    """The encoder config of a checkpoint folder, and the prefix of its tensor names."""
+def read_config(folder: Path) -> tuple[MoonViTConfig, TowerLayout]:
+    """The encoder config of a checkpoint folder and the layout of its tower tensors
+    (see :mod:`moonvit.weights.formats` for the families read)."""
     path = folder / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{folder} has no config.json")
-    values = read_json(path)
-    if "vision_config" in values:
-        return MoonViTConfig.from_dict(values["vision_config"]), KIMI_VL_PREFIX
-    return MoonViTConfig.from_dict(values), ""
+    try:
+        config, family = encoder_config_from_json(read_json(path), str(path))
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{path}: {error}") from error
+    has_tensors = (folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file()
+    names = [] if family == "own" or not has_tensors else [n for ns in tensor_files(folder, "").values() for n in ns]
+    return config, detect_tower_layout(names, family, config.num_attention_heads)
 
 
 def tensor_files(folder: Path, prefix: str) -> dict[Path, list[str]]:
@@ -92,11 +98,11 @@ def load_pretrained(
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
-    config, prefix = read_config(folder)
+    config, layout = read_config(folder)
     config.attn_implementation = attn_implementation
     with torch.device("meta"):
         model = cls(config)
-    return assign_from_files(model, tensor_files(folder, prefix), lambda name: prefix + name, folder, dtype, device)
+    return assign_from_files(model, tensor_files(folder, layout.prefix), layout.source, folder, dtype, device)
 
 
 M = TypeVar("M", bound=nn.Module)
@@ -105,7 +111,7 @@ M = TypeVar("M", bound=nn.Module)
 def assign_from_files(
     model: M,
     files: dict[Path, list[str]],
-    checkpoint_name: Callable[[str], str],
+    checkpoint_name: Callable[[str], str | TensorSource],
     folder: Path,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
@@ -116,7 +122,8 @@ def assign_from_files(
         model: built under ``torch.device("meta")``.
         files: each file and the checkpoint names to take from it; together they
             must be exactly the model's parameters.
-        checkpoint_name: the checkpoint's name of each state-dict entry.
+        checkpoint_name: the checkpoint's name of each state-dict entry, or the
+            :class:`TensorSource` it is assembled from.
         dtype: defaults to the checkpoint dtype of the model's first matrix.
 
     Only the listed tensors are read, one copy each, so peak memory is about
@@ -126,9 +133,11 @@ def assign_from_files(
         CheckpointError: tensors missing, unexpected or of the wrong shape, all named.
     """
     params = model.state_dict()
-    model_name = {checkpoint_name(name): name for name in params}
+    sources = {name: _as_source(checkpoint_name(name)) for name in params}
+    # checkpoint name -> (state-dict entry, part of it)
+    needed = {ckpt: (name, i) for name, source in sources.items() for i, ckpt in enumerate(source.names)}
     found = {name for names in files.values() for name in names}
-    missing, unexpected = sorted(set(model_name) - found), sorted(found - set(model_name))
+    missing, unexpected = sorted(set(needed) - found), sorted(found - set(needed))
     if missing or unexpected:
         raise CheckpointError(
             f"{folder} does not match the {type(model).__name__} config: missing {missing}, unexpected {unexpected}"
@@ -136,27 +145,34 @@ def assign_from_files(
     wrong_shape = []
     for file, names in files.items():
         with safe_open(file, framework="pt") as f:
-            for name in names:
-                shape, wanted = tuple(f.get_slice(name).get_shape()), tuple(params[model_name[name]].shape)
+            for ckpt in names:
+                name = needed[ckpt][0]
+                shape, wanted = tuple(f.get_slice(ckpt).get_shape()), sources[name].part_shape(params[name].shape)
                 if shape != wanted:
-                    wrong_shape.append(f"{name}: {shape}, expected {wanted}")
+                    wrong_shape.append(f"{ckpt}: {shape}, expected {wanted}")
     if wrong_shape:
         raise CheckpointError(f"{folder} has tensors of the wrong shape: " + "; ".join(wrong_shape))
 
     if dtype is None:
-        first_matrix = checkpoint_name(next(name for name, p in params.items() if p.ndim >= 2))
+        first_matrix = sources[next(name for name, p in params.items() if p.ndim >= 2)].names[0]
         file = next(file for file, names in files.items() if first_matrix in names)
         with safe_open(file, framework="pt") as f:
             dtype = f.get_slice(first_matrix)[:1].dtype
     # safetensors maps the file lazily; copy each tensor out so the model never
     # aliases the file (which a later save to the same folder would overwrite).
-    state: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
     for file, names in files.items():
         with safe_open(file, framework="pt") as f:
-            for name in names:
-                state[model_name[name]] = f.get_tensor(name).to(device=device or "cpu", dtype=dtype, copy=True)
+            for ckpt in names:
+                name, i = needed[ckpt]
+                parts[name][i] = f.get_tensor(ckpt).to(device=device or "cpu", dtype=dtype, copy=True)
+    state = {name: sources[name].combine([parts[name][i] for i in range(len(sources[name].names))]) for name in params}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
+
+
+def _as_source(source: str | TensorSource) -> TensorSource:
+    return TensorSource((source,)) if isinstance(source, str) else source
 
 
 def update_weights_digest(digest: Any, module: nn.Module, prefix: str = "") -> None:

@@ -32,6 +32,7 @@ def to_transformers(model: MoonViT, attn_implementation: str = "sdpa") -> Kimi_K
         patch_size=c.patch_size,
         pos_emb_height=c.init_pos_emb_height,
         pos_emb_width=c.init_pos_emb_width,
+        pos_emb_time=c.init_pos_emb_time or 4,  # an image-only tower never reads it
         num_attention_heads=c.num_attention_heads,
         num_hidden_layers=c.num_hidden_layers,
         hidden_size=c.hidden_size,

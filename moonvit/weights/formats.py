@@ -1,0 +1,238 @@
+"""The checkpoint families the loader reads: their config keys and their tensor names.
+
+Configs (``config.json``):
+
+- this project's own: the :class:`MoonViTConfig` fields at the top level;
+- Kimi-VL's: ``vision_config`` with ``model_type "moonvit"`` and the same field names;
+- Kimi-K2.5 / K2.6 releases: ``vision_config`` with ``vt_hidden_size``,
+  ``vt_num_hidden_layers``, ``vt_num_attention_heads``, ``vt_intermediate_size``,
+  ``init_pos_emb_height / width / time``, ``pos_emb_type``, ``merge_type``,
+  ``video_attn_type`` (read explicitly: transformers silently ignores the ``vt_``
+  names) and the projector's ``mm_*`` fields;
+- transformers' native ``kimi_k25``: ``vision_config`` with ``model_type
+  "kimi_k25_vision"``, ``hidden_size``, ``pos_emb_height / width / time``,
+  ``hidden_act`` and ``rope_parameters``.
+
+Tensor layouts of the tower (the same weights under four sets of names):
+
+- ``own``: this project's names (``encoder.blocks.N.wqkv``, ...), no prefix;
+- ``release``: Kimi-VL's and Kimi-K2.5's, ``vision_tower.`` + the same names;
+- ``hybrid``: what transformers 5.x's ``save_pretrained`` writes for a
+  ``kimi_k25`` model: the release names, except
+  ``vision_tower.encoder.patch_embed.proj.*``;
+- ``native``: transformers' in-memory names (``model.vision_tower.layers.N.attn.q_proj``,
+  ``norm1 / norm2``, ``mlp.fc1 / fc2``, ``attn.proj``,
+  ``patch_embed.pos_emb.position_embeddings``) with q / k rows permuted per
+  head from interleaved RoPE pairs to halves; they are permuted back here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..model.config import MoonViTConfig
+
+logger = logging.getLogger("moonvit")
+
+__all__ = [
+    "BLOCK_RENAMES",
+    "TensorSource",
+    "TowerLayout",
+    "detect_tower_layout",
+    "encoder_config_from_json",
+    "unpermute_rope_rows",
+]
+
+# Block submodules: ours (Kimi-VL's names) -> transformers' native names.
+BLOCK_RENAMES = {"norm0": "norm1", "norm1": "norm2", "wo": "attn.proj", "mlp.fc0": "mlp.fc1", "mlp.fc1": "mlp.fc2"}
+
+# Keys every transformers / hub config may carry that say nothing about the tower.
+_GENERIC_KEYS = frozenset(
+    {
+        "model_type", "architectures", "auto_map", "torch_dtype", "dtype", "transformers_version",
+        "_attn_implementation", "_name_or_path", "use_return_dict", "output_hidden_states",
+        "output_attentions", "return_dict", "initializer_range", "tie_word_embeddings",
+        "is_encoder_decoder", "id2label", "label2id", "chunk_size_feed_forward", "problem_type",
+    }
+)  # fmt: skip
+# The projector's settings, which K2.5 releases keep inside vision_config (read by the projector).
+_PROJECTOR_KEYS = frozenset(
+    {"mm_projector_type", "mm_hidden_size", "text_hidden_size", "projector_hidden_act", "projector_ln_eps"}
+)
+_K25_RELEASE_KEYS = {
+    "vt_hidden_size": "hidden_size",
+    "vt_num_hidden_layers": "num_hidden_layers",
+    "vt_num_attention_heads": "num_attention_heads",
+    "vt_intermediate_size": "intermediate_size",
+    "init_pos_emb_height": "init_pos_emb_height",
+    "init_pos_emb_width": "init_pos_emb_width",
+    "init_pos_emb_time": "init_pos_emb_time",
+    "patch_size": "patch_size",
+    "merge_kernel_size": "merge_kernel_size",
+}
+# The one value the K2.5 code accepts for each architecture switch.
+_K25_SWITCHES = {"pos_emb_type": "divided_fixed", "merge_type": "sd2_tpool", "video_attn_type": "spatial_temporal"}
+_K25_NATIVE_KEYS = {
+    "hidden_size": "hidden_size",
+    "num_hidden_layers": "num_hidden_layers",
+    "num_attention_heads": "num_attention_heads",
+    "intermediate_size": "intermediate_size",
+    "pos_emb_height": "init_pos_emb_height",
+    "pos_emb_width": "init_pos_emb_width",
+    "pos_emb_time": "init_pos_emb_time",
+    "patch_size": "patch_size",
+    "merge_kernel_size": "merge_kernel_size",
+}
+_KIMI_VL_KEYS = {
+    name: name
+    for name in (
+        "patch_size", "init_pos_emb_height", "init_pos_emb_width", "num_attention_heads", "num_hidden_layers",
+        "hidden_size", "intermediate_size", "merge_kernel_size",
+    )
+}  # fmt: skip
+
+
+def _report_unknown(keys: Collection[str], known: Collection[str], where: str) -> None:
+    unknown = sorted(set(keys) - set(known) - _GENERIC_KEYS)
+    if unknown:
+        logger.warning("%s: ignoring keys this package does not know: %s", where, ", ".join(unknown))
+
+
+def _mapped(values: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    return {ours: values[theirs] for theirs, ours in names.items() if theirs in values}
+
+
+def encoder_config_from_json(values: dict[str, Any], where: str) -> tuple[MoonViTConfig, str]:
+    """The encoder config of a ``config.json`` dict, and the family it was read as.
+
+    Families: ``"own"``, ``"kimi-vl"``, ``"kimi-k25"`` (release keys) and
+    ``"kimi-k25-transformers"``. Keys the package does not know are named in one
+    warning; ``where`` names the file in messages.
+
+    Raises:
+        ValueError: an architecture switch this package does not implement
+            (``pos_emb_type``, ``merge_type``, ``video_attn_type``, ``hidden_act``),
+            or values MoonViTConfig refuses.
+    """
+    vision = values.get("vision_config")
+    if not isinstance(vision, dict):
+        own = set(MoonViTConfig.__dataclass_fields__)
+        _report_unknown(values, own, where)
+        return MoonViTConfig.from_dict(values), "own"
+    vision_where = f"{where} vision_config"
+    if any(key.startswith("vt_") for key in vision):
+        for key, supported in _K25_SWITCHES.items():
+            if key in vision and vision[key] != supported:
+                raise ValueError(f"{vision_where}: {key} {vision[key]!r} is not supported (only {supported!r})")
+        _report_unknown(vision, {*_K25_RELEASE_KEYS, *_K25_SWITCHES, *_PROJECTOR_KEYS}, vision_where)
+        fields = _mapped(vision, _K25_RELEASE_KEYS)
+        fields.setdefault("init_pos_emb_time", 4)
+        return MoonViTConfig(**fields), "kimi-k25"
+    if vision.get("model_type") == "kimi_k25_vision" or values.get("model_type") == "kimi_k25":
+        activation = vision.get("hidden_act", "gelu_pytorch_tanh")
+        if activation != "gelu_pytorch_tanh":
+            raise ValueError(f"{vision_where}: hidden_act {activation!r} is not supported (only 'gelu_pytorch_tanh')")
+        rope = vision.get("rope_parameters") or {}
+        _report_unknown(vision, {*_K25_NATIVE_KEYS, "hidden_act", "rope_parameters"}, vision_where)
+        fields = _mapped(vision, _K25_NATIVE_KEYS)
+        fields.setdefault("init_pos_emb_time", 4)
+        if "rope_theta" in rope:
+            fields["rope_theta"] = float(rope["rope_theta"])
+        return MoonViTConfig(**fields), "kimi-k25-transformers"
+    _report_unknown(vision, _KIMI_VL_KEYS, vision_where)
+    return MoonViTConfig(**_mapped(vision, _KIMI_VL_KEYS)), "kimi-vl"
+
+
+# ---- tensor layouts --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """Where one of the model's tensors comes from: one checkpoint tensor, or several
+    concatenated along dim 0, each part first passed through its ``transforms`` entry
+    (a shape-preserving function, or None)."""
+
+    names: tuple[str, ...]
+    transforms: tuple[Callable[[torch.Tensor], torch.Tensor] | None, ...] = ()
+
+    def part_shape(self, wanted: Sequence[int]) -> tuple[int, ...]:
+        """Each part's expected shape, for a model tensor of shape ``wanted``."""
+        return (wanted[0] // len(self.names), *wanted[1:]) if len(self.names) > 1 else tuple(wanted)
+
+    def combine(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        transforms = self.transforms or (None,) * len(parts)
+        done = [part if fn is None else fn(part) for part, fn in zip(parts, transforms)]
+        return done[0] if len(done) == 1 else torch.cat(done)
+
+
+def unpermute_rope_rows(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo transformers' ``PermuteForRope`` on q or k rows (weight or bias): per head, rows laid
+    out as [36 real parts | 36 imaginary parts] go back to 36 interleaved (real, imaginary) pairs."""
+    rows = tensor.shape[0]
+    half = rows // heads // 2
+    return tensor.reshape(heads, 2, half, *tensor.shape[1:]).transpose(1, 2).reshape(tensor.shape)
+
+
+@dataclass(frozen=True)
+class TowerLayout:
+    """How a checkpoint names the tower's tensors.
+
+    Attributes:
+        name: ``own``, ``release``, ``hybrid`` or ``native`` (see the module docstring).
+        prefix: every tower tensor's name starts with it (used to find the shards).
+        heads: attention heads, for the native layout's q / k un-permutation.
+    """
+
+    name: str
+    prefix: str
+    heads: int = 1
+
+    def source(self, model_name: str) -> TensorSource:
+        """Where the model's state-dict entry ``model_name`` comes from."""
+        if self.name in ("own", "release"):
+            return TensorSource((self.prefix + model_name,))
+        if self.name == "hybrid":
+            if model_name.startswith("patch_embed.proj."):
+                return TensorSource(("vision_tower.encoder." + model_name,))
+            return TensorSource((self.prefix + model_name,))
+        return self._native(model_name)
+
+    def _native(self, model_name: str) -> TensorSource:
+        root = "model.vision_tower."
+        if model_name == "patch_embed.pos_emb.weight":
+            return TensorSource((root + "patch_embed.pos_emb.position_embeddings",))
+        if model_name.startswith("encoder.final_layernorm."):
+            return TensorSource((root + model_name.removeprefix("encoder."),))
+        if not model_name.startswith("encoder.blocks."):
+            return TensorSource((root + model_name,))
+        index, rest = model_name.removeprefix("encoder.blocks.").split(".", 1)
+        module, kind = rest.rsplit(".", 1)
+        layer = f"{root}layers.{index}."
+        if module == "wqkv":
+
+            def unpermute(t: torch.Tensor) -> torch.Tensor:
+                return unpermute_rope_rows(t, self.heads)
+
+            names = tuple(f"{layer}attn.{p}_proj.{kind}" for p in "qkv")
+            return TensorSource(names, (unpermute, unpermute, None))
+        return TensorSource((f"{layer}{BLOCK_RENAMES[module]}.{kind}",))
+
+
+def detect_tower_layout(names: Collection[str], family: str, heads: int) -> TowerLayout:
+    """The layout of a folder's tower tensors from their names (``names``: every tensor of the folder).
+
+    The own family is always ``own``; the Kimi families are told apart by the names
+    themselves, since transformers writes all three with the same config.
+    """
+    if family == "own":
+        return TowerLayout("own", "")
+    if any(name.startswith("model.vision_tower.layers.") for name in names):
+        return TowerLayout("native", "model.vision_tower.", heads)
+    if "vision_tower.encoder.patch_embed.proj.weight" in names:
+        return TowerLayout("hybrid", "vision_tower.")
+    return TowerLayout("release", "vision_tower.")
