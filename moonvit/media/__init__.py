@@ -6,9 +6,18 @@ cannot), :mod:`.processor` resizes, pads, normalises and patchifies
 under a patch budget from their sizes alone.
 """
 
-from .image import IMAGE_EXTENSIONS, ImageInput, ImageLoadError, ImageTooLargeError, image_size, is_image, load_image
+from .image import (
+    IMAGE_EXTENSIONS,
+    ImageInput,
+    ImageLoadError,
+    ImageTooLargeError,
+    image_size,
+    image_sources,
+    is_image,
+    load_image,
+)
 from .packing import DEFAULT_MAX_PATCHES_PER_PACK, Pack, PackItem, group_into_packs, pack_images, plan_pack_item
-from .processor import ImageBatch, ImagePlan, MoonViTImageProcessor, patchify, unpatchify
+from .processor import ImageBatch, ImagePlan, ImageSizeError, MoonViTImageProcessor, patchify, unpatchify
 
 __all__ = [
     "DEFAULT_MAX_PATCHES_PER_PACK",
@@ -17,12 +26,14 @@ __all__ = [
     "ImageInput",
     "ImageLoadError",
     "ImagePlan",
+    "ImageSizeError",
     "ImageTooLargeError",
     "MoonViTImageProcessor",
     "Pack",
     "PackItem",
     "group_into_packs",
     "image_size",
+    "image_sources",
     "is_image",
     "load_image",
     "pack_images",
