@@ -284,3 +284,27 @@ def test_unknown_preprocessor_keys_are_named(tmp_path):
     )
     with pytest.warns(UserWarning, match=r"ignoring keys this package does not read: in_patch_limit$"):
         MoonViTImageProcessor.from_pretrained(tmp_path)
+
+
+def test_warnings_of_a_command_line_are_one_line(tmp_path):
+    """A loader's warning, printed by a command line: one line, no source line."""
+    from PIL import Image
+
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({**config, "vt_extra": 1}))
+    Image.new("RGB", (28, 28)).save(tmp_path / "a.png")
+    command = [
+        sys.executable,
+        "-m",
+        "moonvit",
+        "--checkpoint",
+        str(tmp_path / "ckpt"),
+        "--images",
+        str(tmp_path / "a.png"),
+    ]
+    result = subprocess.run([*command, "--out", str(tmp_path / "out")], capture_output=True, text=True, check=True)
+    assert result.stderr.splitlines() == [
+        f"warning: {tmp_path / 'ckpt' / 'config.json'}: ignoring keys this package does not read: vt_extra"
+    ]

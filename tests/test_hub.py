@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import huggingface_hub
 import pytest
 import torch
 from helpers import randomize_, tiny_model
+from PIL import Image
 from safetensors.torch import save_file
 
 from moonvit import CheckpointError, MoonViT, MoonViTImageProcessor
@@ -250,3 +252,23 @@ def test_without_huggingface_hub_the_error_says_what_to_install(monkeypatch):
 def test_hub_ids_are_owner_slash_name(text, is_id):
     assert is_hub_id(text) is is_id
     assert is_hub_id(Path("owner/name")) is False  # a Path is always local
+
+
+def test_the_command_lines_take_a_hub_id_with_hf_hub_offline(tmp_path, models):
+    encoder, projector = models
+    files = kimi_vl_repo(tmp_path / "repo", encoder, projector)
+    cache = tmp_path / "cache"
+    write_hub_cache(cache, REPO_ID, {n: p for n, p in files.items() if n != "model-00004-of-00004.safetensors"})
+    Image.new("RGB", (56, 28), (30, 60, 90)).save(tmp_path / "a.png")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
+    out = tmp_path / "out"
+    main_job = [sys.executable, "-m", "moonvit", "--checkpoint", REPO_ID, "--images", str(tmp_path / "a.png")]
+    subprocess.run([*main_job, "--out", str(out / "main")], env=env, check=True, capture_output=True)
+    assert json.loads((out / "main" / "summary.json").read_text())["source"] == REPO_ID
+    (tmp_path / "list.txt").write_text("a.png\n")
+    export = [sys.executable, "-m", "projector.export", "--checkpoint", REPO_ID, "--inputs", str(tmp_path / "list.txt")]
+    export += ["--out", str(out / "export"), "--store", "both", "--threads", "1"]
+    result = subprocess.run(export, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    run = json.loads((out / "export" / "run.json").read_text())
+    assert run["checkpoint"]["path"] == REPO_ID and run["processor"]["in_token_limit"] == 16384
