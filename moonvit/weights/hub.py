@@ -19,7 +19,7 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from .checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointError, read_weight_map
 
@@ -76,7 +76,7 @@ class HubSnapshot:
             raise CheckpointError(f"hub repository {self.repo_id} has no {name}")
         return path
 
-    def optional_file(self, name: str, *, unknown: str = "error") -> Path | None:
+    def optional_file(self, name: str, *, unknown: Literal["error", "absent"] = "error") -> Path | None:
         """Like :meth:`file`, but None when the repository has no such file.
 
         ``unknown`` says what to do offline when neither the file nor its absence is cached:
