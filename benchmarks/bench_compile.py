@@ -18,15 +18,20 @@ import torch
 from common import PACKS
 
 from moonvit import MoonViT, preset_config
+from moonvit.cli import add_threads_argument, apply_threads, positive_int
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python benchmarks/bench_compile.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--depth", type=positive_int, default=4, help="blocks of the so400m tower (default: 4)")
+    add_threads_argument(parser)
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per pack (default: 5)")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = build_parser().parse_args(argv)
+    args.threads = apply_threads(args.threads)
     torch.manual_seed(0)
     config = preset_config("so400m", num_hidden_layers=args.depth, attn_implementation="sdpa")
     model = MoonViT(config).to(torch.bfloat16).eval()

@@ -19,13 +19,12 @@ import argparse
 import statistics
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from common import PACKS, as_thw, host_line, matmul_peak, mib, model_flops, peak_extra_bytes, seconds
 
 from moonvit import MoonViT, preset_config
-from moonvit.cli import DTYPES, apply_threads, dtype_name, positive_int
+from moonvit.cli import DTYPES, add_threads_argument, apply_threads, dtype_name, output_file, positive_int
 from moonvit.weights.transformers import to_transformers
 
 
@@ -135,15 +134,10 @@ def profile_shares(fn: Callable, pixels: torch.Tensor, grids: torch.Tensor) -> d
     return {kind: value / total for kind, value in shares.items()}
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python benchmarks/bench_cpu.py", description=__doc__.split("\n")[0])
     parser.add_argument("--depth", type=positive_int, default=4, help="blocks to run; MFU is scaled to 27 (default: 4)")
-    parser.add_argument(
-        "--threads",
-        type=positive_int,
-        default=torch.get_num_threads(),
-        help=f"torch CPU threads (default: {torch.get_num_threads()})",
-    )
+    add_threads_argument(parser)
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per contender (default: 5)")
     parser.add_argument(
         "--dtypes",
@@ -156,10 +150,14 @@ def main(argv: list[str] | None = None) -> None:
         "--packs", nargs="+", choices=list(PACKS), default=list(PACKS), metavar="PACK",
         help=f"packs to time (default: all): {', '.join(repr(p) for p in PACKS)}",
     )  # fmt: skip
-    parser.add_argument("--out", type=Path, help="also write the tables (markdown) here")
+    parser.add_argument("--out", type=output_file, help="also write the tables (markdown) here")
     parser.add_argument("--no-extras", action="store_true", help="skip the memory-scaling and profile tables")
-    args = parser.parse_args(argv)
-    apply_threads(args.threads)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.threads = apply_threads(args.threads)
     cfg = preset_config("so400m")
 
     lines = [

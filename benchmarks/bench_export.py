@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from moonvit import MoonViT, MoonViTImageProcessor
+from moonvit import PRESETS, MoonViT, MoonViTImageProcessor
+from moonvit.cli import add_budget_argument, add_dtype_argument, add_threads_argument, apply_threads, positive_int
 from projector import MoonViTProjector, ProjectorConfig
 from projector.export import main as export_main
 
@@ -47,20 +48,36 @@ def write_images(folder: Path, count: int) -> None:
         image.save(folder / f"{i:05d}.jpg", quality=90)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--images", type=int, default=120, help="images to export")
-    parser.add_argument("--preset", default="tiny", help="encoder preset (random weights)")
-    parser.add_argument("--llm-hidden", type=int, default=256, help="projector output width")
-    parser.add_argument("--in-token-limit", type=int, default=1024, help="processor patch budget per image")
-    parser.add_argument("--store", default="projected", choices=["merged", "projected", "both"])
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    parser.add_argument("--shard-size", type=int, default=32)
-    parser.add_argument("--max-patches-per-pack", type=int, default=4096)
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python benchmarks/bench_export.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_threads_argument(parser)
+    parser.add_argument("--images", type=positive_int, default=120, help="images to export (default: 120)")
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default="tiny", help="encoder preset, random weights (default: tiny)"
+    )
+    parser.add_argument("--llm-hidden", type=positive_int, default=256, help="projector output width (default: 256)")
+    parser.add_argument(
+        "--in-token-limit", type=positive_int, default=1024, help="processor patch budget per image (default: 1024)"
+    )
+    parser.add_argument(
+        "--store",
+        default="projected",
+        choices=["merged", "projected", "both"],
+        help="what the export stores (default: projected)",
+    )
+    add_dtype_argument(parser, "bf16", "export dtype")
+    parser.add_argument("--shard-size", type=positive_int, default=32, help="images per shard (default: 32)")
+    add_budget_argument(parser, default=4096)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    apply_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -30,6 +30,7 @@ from eval.features import pixel_features
 from eval.linear_probe import main as linear_probe
 from eval.metrics import classification_metrics
 from eval.probe import ProbeConfig, run_probe
+from moonvit.cli import add_threads_argument, apply_threads, positive_int
 
 
 def synthetic_features(train: int, test: int, dim: int, classes: int, seed: int = 0):
@@ -66,16 +67,23 @@ def _list(seconds: list[float]) -> str:
     return "[" + ", ".join(f"{s:.1f}" for s in seconds) + "]"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dim", type=int, default=1024)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python benchmarks/bench_probe.py", description=__doc__.split("\n\n")[0])
+    add_threads_argument(parser)
+    parser.add_argument("--dim", type=positive_int, default=1024, help="synthetic feature width (default: 1024)")
     parser.add_argument(
-        "--repeats", type=int, default=3, help="runs per figure; the fastest is reported (shared machines are noisy)"
+        "--repeats",
+        type=positive_int,
+        default=3,
+        help="runs per figure; the fastest is reported (shared machines are noisy) (default: 3)",
     )
-    parser.add_argument("--skip-digits", action="store_true")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    parser.add_argument("--skip-digits", action="store_true", help="skip the digits end-to-end figure")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.threads = apply_threads(args.threads)
     warnings.simplefilter("ignore", UserWarning)  # grid-edge notes of the synthetic features
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     config = ProbeConfig()

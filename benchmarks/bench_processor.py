@@ -32,7 +32,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from moonvit import MoonViT, MoonViTImageProcessor, encode_images, iter_encode_images, pack_images
+from moonvit import PRESETS, MoonViT, MoonViTImageProcessor, encode_images, iter_encode_images, pack_images
+from moonvit.cli import add_budget_argument, add_threads_argument, apply_threads, positive_int
 from moonvit.media.image import ImageInput
 
 # (width, height): thumbnails to a 12 MP photo (resized to the budget) and a long strip
@@ -178,21 +179,37 @@ def bench_encode(processor: MoonViTImageProcessor, preset: str, count: int, budg
     print(f"  for scale: one full pack's float32 pixel_values is {pixel_bytes / 2**20:.1f} MiB")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--images", type=int, default=84, help="images in the processor benchmark")
-    parser.add_argument("--encode-images", type=int, default=2000, help="images in the encode_images benchmark")
-    parser.add_argument("--max-patches", type=int, default=4096, help="max_patches_per_pack for encode_images")
-    parser.add_argument("--preset", default="tiny", help="encoder preset (random weights)")
-    args = parser.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python benchmarks/bench_processor.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_threads_argument(parser)
+    parser.add_argument(
+        "--images", type=positive_int, default=84, help="images in the processor benchmark (default: 84)"
+    )
+    parser.add_argument(
+        "--encode-images",
+        type=positive_int,
+        default=2000,
+        help="images in the encode_images benchmark (default: 2000)",
+    )
+    add_budget_argument(parser, default=4096)
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default="tiny", help="encoder preset, random weights (default: tiny)"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    apply_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
     processor = MoonViTImageProcessor()
     with tempfile.TemporaryDirectory() as folder:
         bench_processor(processor, args.images, Path(folder))
-    bench_encode(processor, args.preset, args.encode_images, args.max_patches)
+    bench_encode(processor, args.preset, args.encode_images, args.max_patches_per_pack)
 
 
 if __name__ == "__main__":

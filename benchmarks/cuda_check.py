@@ -17,12 +17,12 @@ import argparse
 import json
 import platform
 import time
-from pathlib import Path
 
 import torch
 from common import matmul_peak, model_flops
 
-from moonvit import MoonViT
+from moonvit import PRESETS, MoonViT
+from moonvit.cli import device_name, output_file, positive_int
 from moonvit.model.attention import flash_attn_installed
 
 PACKS = {
@@ -51,13 +51,19 @@ def timed(fn, device: torch.device, repeats: int = 3) -> tuple[object, float]:
     return out, (time.perf_counter() - start) / repeats
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="so400m")
-    parser.add_argument("--depth", type=int, help="number of blocks (default: the preset's)")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python benchmarks/cuda_check.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="so400m", help="encoder preset (default: so400m)")
+    parser.add_argument("--depth", type=positive_int, help="number of blocks (default: the preset's)")
+    parser.add_argument(
+        "--device", type=device_name, default="cuda", help="cuda, cuda:N, or cpu for a smoke test (default: cuda)"
+    )
+    parser.add_argument("--out", type=output_file, help="also write the report (JSON) here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     device = torch.device(args.device)
     overrides = {} if args.depth is None else {"num_hidden_layers": args.depth}
 

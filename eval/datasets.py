@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moonvit.files import folder_problem
 from moonvit.media.image import IMAGE_EXTENSIONS
 
 from .splits import stratified_split
@@ -163,9 +164,10 @@ def _idx_split(folder: Path, prefix: str) -> Split:
 
 
 def _fashion_mnist(folder: Path) -> Dataset:
-    if not folder.is_dir():
+    problem = folder_problem(folder)
+    if problem is not None:
         raise DatasetError(
-            f"Fashion-MNIST folder {folder} does not exist; install Debian's dataset-fashion-mnist package "
+            f"Fashion-MNIST folder {folder} {problem}; install Debian's dataset-fashion-mnist package "
             "or pass --data-dir"
         )
     return Dataset(
@@ -201,8 +203,9 @@ def _digits(seed: int) -> Dataset:
 
 def _class_files(folder: Path) -> dict[str, list[Path]]:
     """{class name: sorted image files} for every subfolder of ``folder`` holding images."""
-    if not folder.is_dir():
-        raise DatasetError(f"image folder {folder} does not exist")
+    problem = folder_problem(folder)
+    if problem is not None:
+        raise DatasetError(f"image folder {folder} {problem}")
     classes = {}
     for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
         files = sorted(p for p in sub.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())

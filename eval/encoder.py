@@ -5,11 +5,13 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from moonvit import MoonViT, MoonViTImageProcessor
 from moonvit.weights.checkpoint import update_weights_digest
+from moonvit.weights.hub import source_label
 
 __all__ = ["FrozenEncoder", "load_frozen_encoder", "weights_hash"]
 
@@ -46,28 +48,31 @@ def load_frozen_encoder(
     seed: int = 0,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
+    side_limit_mode: str | None = None,
 ) -> FrozenEncoder:
-    """Load a checkpoint folder, or build a preset with weights drawn after ``torch.manual_seed(seed)``.
+    """Load a checkpoint folder or hub id, or build a preset with weights drawn after ``torch.manual_seed(seed)``.
 
     Exactly one of ``checkpoint`` and ``preset`` is given; presets have no trained weights, so they
     need ``random_init``. A preset's hash covers its name and seed as well as the weights.
+    ``side_limit_mode`` replaces the processor's setting when given.
 
     Raises:
         ValueError: both or neither source, or a preset without ``random_init``.
     """
     if (checkpoint is None) == (preset is None):
         raise ValueError("give exactly one of a checkpoint folder or a preset name")
+    overrides: dict[str, Any] = {} if side_limit_mode is None else {"side_limit_mode": side_limit_mode}
     if checkpoint is not None:
         model = MoonViT.from_pretrained(checkpoint, dtype=dtype, device=device)
-        processor = MoonViTImageProcessor.from_pretrained(checkpoint)
-        source, prefix = f"checkpoint:{Path(checkpoint).resolve()}", "checkpoint"
+        processor = MoonViTImageProcessor.from_pretrained(checkpoint, **overrides)
+        source, prefix = f"checkpoint:{source_label(checkpoint)}", "checkpoint"
     else:
         assert preset is not None
         if not random_init:
             raise ValueError(f"preset {preset!r} has no trained weights; pass --random-init to probe a random encoder")
         torch.manual_seed(seed)
         model = MoonViT.from_preset(preset).to(device=device, dtype=dtype)
-        processor = MoonViTImageProcessor()
+        processor = MoonViTImageProcessor(**overrides)
         source, prefix = f"preset:{preset} (random init, seed {seed})", f"preset:{preset}:seed:{seed}"
     model.eval().requires_grad_(False)
     return FrozenEncoder(model, processor, source, weights_hash(model, prefix))

@@ -17,6 +17,7 @@ import dataclasses
 import platform
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +28,30 @@ import torch
 import moonvit
 from moonvit.cli import (
     add_budget_argument,
+    add_checkpoint_argument,
     add_device_argument,
     add_dtype_argument,
+    add_seed_argument,
+    add_side_limit_argument,
     add_threads_argument,
     apply_threads,
+    existing_folder,
+    exit_on,
+    fraction,
+    non_negative_float,
+    non_negative_int,
+    one_line_warnings,
     output_dir,
+    positive_float,
+    positive_int,
     torch_dtype,
 )
 
 from .datasets import DEFAULT_FASHION_MNIST_DIR, Dataset, DatasetError, load_dataset
 from .encoder import FrozenEncoder, load_frozen_encoder
-from .features import FEATURE_VIEWS, FeatureCache, ResizePolicy, split_features
+from .features import FEATURE_VIEWS, FeatureCache, ResizePolicy, available_views, split_features
 from .metrics import classification_metrics
-from .probe import ProbeConfig, run_probe
+from .probe import ProbeConfig, ProbeDataWarning, check_probe_labels, run_probe
 from .report import markdown_table, save_confusion_png, write_json
 
 
@@ -47,35 +59,79 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = ProbeConfig()
     parser = argparse.ArgumentParser(prog="python -m eval.linear_probe", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--checkpoint", type=Path, help="a checkpoint folder (Kimi-VL or this project's format)")
+    add_checkpoint_argument(source)
     source.add_argument("--preset", choices=sorted(moonvit.PRESETS), help="a preset size (needs --random-init)")
     parser.add_argument("--random-init", action="store_true", help="probe the preset with random weights (seeded)")
     parser.add_argument("--dataset", required=True, help="fashion-mnist, digits or imagefolder:DIR")
-    parser.add_argument("--data-dir", type=Path, help=f"Fashion-MNIST IDX folder (default {DEFAULT_FASHION_MNIST_DIR})")
-    parser.add_argument("--features", choices=FEATURE_VIEWS, default="mean", help="feature view (default mean)")
-    parser.add_argument("--out", type=output_dir, default=Path("outputs/linear_probe"), help="output folder")
-    parser.add_argument("--cache-dir", type=output_dir, help="feature cache (default <out>/../feature-cache)")
+    parser.add_argument(
+        "--data-dir", type=existing_folder, help=f"Fashion-MNIST IDX folder (default {DEFAULT_FASHION_MNIST_DIR})"
+    )
+    parser.add_argument(
+        "--features",
+        choices=FEATURE_VIEWS,
+        default="mean",
+        help="feature view (default: mean; last4 needs an encoder of at least 4 blocks)",
+    )
+    parser.add_argument(
+        "--out",
+        type=output_dir,
+        default=Path("outputs/linear_probe"),
+        help="output folder (default: outputs/linear_probe)",
+    )
+    parser.add_argument("--cache-dir", type=output_dir, help="feature cache (default: <out>/../feature-cache)")
     add_device_argument(parser)
     add_dtype_argument(parser, None, "encoder dtype (default: the checkpoint's, fp32 for presets)")
     add_threads_argument(parser)
-    parser.add_argument("--seed", type=int, default=0, help="seed of random init, splits and shuffles")
+    add_seed_argument(parser, "seed of random init, splits and shuffles")
     parser.add_argument(
         "--short-side",
-        type=int,
+        type=non_negative_int,
         default=ResizePolicy().short_side,
-        help="resize images (bicubic, aspect kept) to this short side before the processor; 0 = native",
+        help="resize images (bicubic, aspect kept) to this short side before the processor; 0 = native "
+        f"(default: {ResizePolicy().short_side})",
     )
     add_budget_argument(parser)
-    parser.add_argument("--solver", choices=("adamw", "lbfgs"), default=defaults.solver)
-    parser.add_argument("--lrs", type=float, nargs="+", default=defaults.learning_rates, help="AdamW learning rates")
-    parser.add_argument("--weight-decays", type=float, nargs="+", default=defaults.weight_decays, help="AdamW decays")
-    parser.add_argument("--epochs", type=int, default=defaults.epochs, help="AdamW epochs")
-    parser.add_argument("--min-steps", type=int, default=defaults.min_steps, help="AdamW minimum steps")
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="AdamW batch size")
+    add_side_limit_argument(parser)
     parser.add_argument(
-        "--Cs", type=float, nargs="+", default=defaults.inverse_regularization, help="L-BFGS inverse L2 strengths C"
+        "--solver",
+        choices=("adamw", "lbfgs"),
+        default=defaults.solver,
+        help=f"probe solver (default: {defaults.solver})",
     )
-    parser.add_argument("--val-fraction", type=float, default=defaults.val_fraction, help="selection share of train")
+    parser.add_argument(
+        "--lrs", type=positive_float, nargs="+", default=defaults.learning_rates, help="AdamW learning rates"
+    )
+    parser.add_argument(
+        "--weight-decays", type=non_negative_float, nargs="+", default=defaults.weight_decays, help="AdamW decays"
+    )
+    parser.add_argument(
+        "--epochs", type=positive_int, default=defaults.epochs, help=f"AdamW epochs (default: {defaults.epochs})"
+    )
+    parser.add_argument(
+        "--min-steps",
+        type=non_negative_int,
+        default=defaults.min_steps,
+        help=f"AdamW minimum steps (default: {defaults.min_steps})",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=defaults.batch_size,
+        help=f"AdamW batch size (default: {defaults.batch_size})",
+    )
+    parser.add_argument(
+        "--Cs",
+        type=positive_float,
+        nargs="+",
+        default=defaults.inverse_regularization,
+        help="L-BFGS inverse L2 strengths C",
+    )
+    parser.add_argument(
+        "--val-fraction",
+        type=fraction,
+        default=defaults.val_fraction,
+        help=f"selection share of train (default: {defaults.val_fraction})",
+    )
     parser.add_argument("--l2-normalize", action="store_true", help="L2-normalise features before standardising")
     parser.add_argument("--no-baseline", action="store_true", help="skip the raw-pixels baseline row")
     return parser
@@ -109,7 +165,11 @@ def probe_view(
     features_s = time.perf_counter() - start
     start = time.perf_counter()
     train_y = torch.from_numpy(dataset.train.labels).to(device)
-    result = run_probe(features["train"].to(device), train_y, features["test"].to(device), len(dataset.classes), config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ProbeDataWarning)  # said once, before any work
+        result = run_probe(
+            features["train"].to(device), train_y, features["test"].to(device), len(dataset.classes), config
+        )
     probe_s = time.perf_counter() - start
     metrics = classification_metrics(result.test_logits, torch.from_numpy(dataset.test.labels))
     confusion = metrics.pop("confusion")
@@ -139,13 +199,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--features {args.features} needs an encoder: --checkpoint PATH or --preset NAME --random-init")
     if args.preset is not None and not args.random_init:
         parser.error(f"--preset {args.preset} has no trained weights; add --random-init")
+    with one_line_warnings(), exit_on(parser):
+        return run(args, argv, parser)
+
+
+def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The probe of the parsed command line; data and encoder are checked before any feature is extracted."""
     apply_threads(args.threads)
     torch.manual_seed(args.seed)
     try:
         dataset = load_dataset(args.dataset, args.data_dir, seed=args.seed)
         resize = ResizePolicy(args.short_side)
+        data_warnings = check_probe_labels(
+            dataset.train.labels, dataset.test.labels, dataset.classes, args.val_fraction, args.seed
+        )
     except (DatasetError, ValueError) as error:
-        parser.error(str(error))
+        parser.error(f"cannot probe --dataset {args.dataset}: {error}")
+    for message in data_warnings:
+        warnings.warn(message, ProbeDataWarning, stacklevel=1)
     start = time.perf_counter()
     encoder = None
     if args.features != "pixels":
@@ -158,9 +229,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 seed=args.seed,
                 dtype=dtype,
                 device=args.device,
+                side_limit_mode=args.side_limit_mode,
             )
         except moonvit.CheckpointError as error:
             parser.error(f"cannot load --checkpoint {args.checkpoint}: {error}")
+        given = available_views(encoder.model)
+        if args.features not in given:
+            parser.error(
+                f"--features {args.features} needs an encoder of at least 4 blocks; this one has "
+                f"{encoder.model.config.num_hidden_layers} (it gives {', '.join(given)})"
+            )
     config = ProbeConfig(
         solver=args.solver,
         learning_rates=tuple(args.lrs),
@@ -219,6 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "l2_normalize": args.l2_normalize,
         },
         "probe": dataclasses.asdict(config),
+        "data_warnings": data_warnings,
         "seed": args.seed,
         "threads": torch.get_num_threads(),
         "command": " ".join(["python -m eval.linear_probe", *(argv if argv is not None else sys.argv[1:])]),

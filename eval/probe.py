@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,8 +31,10 @@ from .splits import stratified_split
 __all__ = [
     "LinearHeads",
     "ProbeConfig",
+    "ProbeDataWarning",
     "ProbeResult",
     "Standardizer",
+    "check_probe_labels",
     "fit_logistic_lbfgs",
     "run_probe",
     "train_adamw_heads",
@@ -227,6 +230,75 @@ def fit_logistic_lbfgs(
     return LinearHeads(weight.detach().unsqueeze(1), bias.detach().unsqueeze(0))
 
 
+class ProbeDataWarning(UserWarning):
+    """Labels a probe can run on, but whose figures say less than they seem (see :func:`check_probe_labels`)."""
+
+
+def check_probe_labels(
+    train_labels: np.ndarray,
+    test_labels: np.ndarray | None,
+    classes: Sequence[str],
+    val_fraction: float,
+    seed: int,
+) -> list[str]:
+    """Refuse labels a probe cannot be run on, and describe the ones it runs on poorly.
+
+    Works on labels alone, so it can run before any feature is extracted.
+
+    Args:
+        train_labels, test_labels: (N,) and (M,) class indices into ``classes`` (test labels
+            None: not checked).
+        val_fraction, seed: the selection split :func:`run_probe` will make.
+
+    Returns:
+        warnings: classes with no training image (never predicted), with one (absent from the
+        selection split) or with no test image (no recall).
+
+    Raises:
+        ValueError: fewer than 2 classes with training images (top-1 would be 1.0 by
+            construction), no test images, or a selection split with no images (no class has 2
+            training images, so every setting would score nan).
+    """
+    train_counts = np.bincount(train_labels, minlength=len(classes))
+    test_counts = None if test_labels is None else np.bincount(test_labels, minlength=len(classes))
+    trained = np.flatnonzero(train_counts)
+    if len(trained) < 2:
+        names = [classes[int(i)] for i in trained]
+        raise ValueError(
+            f"a linear probe needs at least 2 classes with training images; this data has {len(trained)} {names}"
+        )
+    if test_labels is not None and len(test_labels) == 0:
+        raise ValueError("the test split has no images")
+    _, held = stratified_split(train_labels, val_fraction, seed)
+    if len(held) == 0:
+        raise ValueError(
+            f"the selection split ({val_fraction:g} of train) is empty: no class has 2 training images "
+            f"(largest: {train_counts.max()})"
+        )
+
+    def named(indices: np.ndarray) -> str:
+        shown = ", ".join(repr(classes[int(i)]) for i in indices[:8])
+        return shown + (f" and {len(indices) - 8} more" if len(indices) > 8 else "")
+
+    messages = []
+    single = np.flatnonzero(train_counts == 1)
+    if len(single):
+        messages.append(
+            f"classes with one training image have none in the selection split, so selection ignores them: "
+            f"{named(single)}"
+        )
+    if test_counts is not None:
+        untrained = np.flatnonzero((train_counts == 0) & (test_counts > 0))
+        if len(untrained):
+            messages.append(
+                f"classes with test images but no training image can never be predicted: {named(untrained)}"
+            )
+        untested = np.flatnonzero((test_counts == 0) & (train_counts > 0))
+        if len(untested):
+            messages.append(f"classes with no test image have no recall and do not count in top-1: {named(untested)}")
+    return messages
+
+
 @dataclass
 class ProbeResult:
     """A selected and refitted probe.
@@ -251,14 +323,24 @@ def run_probe(
 ) -> ProbeResult:
     """Select hyper-parameters on a stratified ``val_fraction`` of train, refit on all of train, score test.
 
-    Standardisation statistics come from the rows each fit trains on.
+    Standardisation statistics come from the rows each fit trains on. The training labels are
+    checked first (:func:`check_probe_labels`): what cannot be probed is refused, and the other
+    findings are :class:`ProbeDataWarning` warnings.
 
     Args:
         train_x: (N, F) features; train_y: (N,) int64 labels; test_x: (M, F) features.
 
     Returns:
         the :class:`ProbeResult`, with (M, C) test logits.
+
+    Raises:
+        ValueError: the labels cannot be probed (see :func:`check_probe_labels`).
     """
+    if len(test_x) == 0:
+        raise ValueError("the test split has no images")
+    classes = [str(c) for c in range(num_classes)]
+    for message in check_probe_labels(train_y.cpu().numpy(), None, classes, config.val_fraction, config.seed):
+        warnings.warn(message, ProbeDataWarning, stacklevel=2)
     fit_index, val_index = (
         torch.from_numpy(i) for i in stratified_split(train_y.cpu().numpy(), config.val_fraction, config.seed)
     )

@@ -23,14 +23,16 @@ def save_confusion_png(confusion: Sequence[Sequence[int]], classes: Sequence[str
     """Draw a (C, C) confusion matrix (rows true, columns predicted) as a PNG.
 
     Cells are shaded by row-normalised count (white 0 to dark blue 1) and show the count; rows are
-    labelled ``index name``, columns by index.
+    labelled ``index name``, columns by index. The picture is at least as wide as the title, so
+    the whole title shows at any class count.
     """
     font = ImageFont.load_default()
     count = len(classes)
     row_labels = [f"{i} {name}"[:18] for i, name in enumerate(classes)]
     left = 8 + max(int(font.getlength(label)) for label in row_labels) + 8
     top = 44
-    image = Image.new("RGB", (left + count * CELL + 8, top + count * CELL + 24), "white")
+    width = max(left + count * CELL + 8, 8 + int(font.getlength(title)) + 1 + 8)
+    image = Image.new("RGB", (width, top + count * CELL + 24), "white")
     draw = ImageDraw.Draw(image)
     draw.text((8, 6), title, fill="black", font=font)
     draw.text((left, 24), "predicted ->", fill="black", font=font)

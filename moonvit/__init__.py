@@ -9,10 +9,18 @@ Layout, by role:
     moonvit.cli      the shared command-line vocabulary
 """
 
-from .encode import EncodedImage, EncodedPack, encode_images, encode_pack, iter_encode_images, pool_features
+from .encode import (
+    EncodedImage,
+    EncodedImages,
+    EncodedPack,
+    encode_images,
+    encode_pack,
+    iter_encode_images,
+    pool_features,
+)
 from .media.image import IMAGE_EXTENSIONS, ImageLoadError, ImageTooLargeError, image_size, load_image
 from .media.packing import DEFAULT_MAX_PATCHES_PER_PACK, Pack, PackItem, pack_images
-from .media.processor import ImageBatch, ImagePlan, MoonViTImageProcessor, patchify, unpatchify
+from .media.processor import ImageBatch, ImagePlan, ImageSizeError, MoonViTImageProcessor, patchify, unpatchify
 from .media.video import MoonViTVideoProcessor, VideoBatch, VideoFrames, VideoLoadError
 from .model.config import PRESETS, MoonViTConfig, preset_config
 from .model.encoder import MoonViT, MoonViTOutput
@@ -28,10 +36,12 @@ __all__ = [
     "PRESETS",
     "CheckpointError",
     "EncodedImage",
+    "EncodedImages",
     "EncodedPack",
     "ImageBatch",
     "ImageLoadError",
     "ImagePlan",
+    "ImageSizeError",
     "ImageTooLargeError",
     "MoonViT",
     "MoonViTConfig",

@@ -5,35 +5,68 @@ Every program takes the same flags for the same things, with the same spellings,
 checks and defaults: ``--dtype`` (``bf16`` / ``fp16`` / ``fp32`` / ``fp64``, the
 long names ``bfloat16``, ``float32``, ... accepted and printed short),
 ``--device`` (``cpu``, ``cuda``, ``cuda:N``, refused at parse time where torch
-has no CUDA), ``--threads`` and ``--max-patches-per-pack``. Argument types raise
-``argparse.ArgumentTypeError``, so a bad value ends in one usage line and exit
-status 2 before any work starts.
+has no CUDA), ``--threads``, ``--max-patches-per-pack``, ``--checkpoint`` (a
+folder or a hub id), ``--seed`` and ``--side-limit-mode``. Every number and path
+has a checking type here: argument types raise ``argparse.ArgumentTypeError``, so
+a bad value ends in one usage line and exit status 2 before any work starts.
+
+What can only fail later (a corrupt checkpoint, an unreadable image) ends in one
+``error:`` line and exit status 1 through :func:`exit_on`, and warnings print as
+one ``warning:`` line each (:func:`one_line_warnings`), not with a source line.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from .devices import check_device
+from .files import folder_problem
+from .media.image import ImageLoadError
 from .media.packing import DEFAULT_MAX_PATCHES_PER_PACK
+from .media.processor import ImageSizeError
+from .weights.checkpoint import CheckpointError
+from .weights.hub import is_hub_id
 
 __all__ = [
     "DTYPES",
+    "MIN_PATCH_BUDGET",
     "add_budget_argument",
+    "add_checkpoint_argument",
     "add_device_argument",
     "add_dtype_argument",
+    "add_seed_argument",
+    "add_side_limit_argument",
     "add_threads_argument",
     "apply_threads",
+    "checkpoint_source",
     "device_name",
     "dtype_name",
+    "exit_on",
+    "existing_file",
+    "existing_folder",
+    "existing_path",
     "fraction",
+    "non_negative_float",
     "non_negative_int",
+    "one_line_warnings",
     "output_dir",
+    "output_file",
+    "patch_budget",
+    "positive_float",
     "positive_int",
     "torch_dtype",
 ]
+
+MIN_PATCH_BUDGET = 4
+"""The smallest ``--max-patches-per-pack``: one 2x2 merged token (the smallest padded image)."""
 
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -67,61 +100,127 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[dtype_name(name)]
 
 
-def _int_at_least(text: str, minimum: int, what: str) -> int:
+# ---- numbers -----------------------------------------------------------------------------------
+
+
+def _number(text: str, parse: Callable[[str], Any], accept: Callable[[Any], bool], what: str) -> Any:
     try:
-        value = int(text)
+        value = parse(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-    if value < minimum:
+    if not accept(value):  # NaN fails every comparison, so it is refused too
         raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
     return value
 
 
 def positive_int(text: str) -> int:
     """An integer of at least 1."""
-    return _int_at_least(text, 1, "a positive integer")
+    return _number(text, int, lambda v: v >= 1, "a positive integer")
 
 
 def non_negative_int(text: str) -> int:
     """An integer of at least 0."""
-    return _int_at_least(text, 0, "an integer >= 0")
+    return _number(text, int, lambda v: v >= 0, "an integer >= 0")
+
+
+def patch_budget(text: str) -> int:
+    """A patch budget: an integer of at least :data:`MIN_PATCH_BUDGET` (one merged token)."""
+    return _number(
+        text, int, lambda v: v >= MIN_PATCH_BUDGET, f"a patch budget of at least {MIN_PATCH_BUDGET} (one 2x2 token)"
+    )
+
+
+def positive_float(text: str) -> float:
+    """A finite number above 0."""
+    return _number(text, float, lambda v: 0 < v < float("inf"), "a positive number")
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number of at least 0."""
+    return _number(text, float, lambda v: 0 <= v < float("inf"), "a number >= 0")
 
 
 def fraction(text: str) -> float:
     """A number strictly between 0 and 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1), got {text!r}") from None
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1), got {text}")
-    return value
+    return _number(text, float, lambda v: 0.0 < v < 1.0, "a fraction in (0, 1)")
+
+
+# ---- devices and paths -------------------------------------------------------------------------
 
 
 def device_name(text: str) -> str:
     """``cpu``, ``cuda`` or ``cuda:N``, refused when torch cannot reach that device here."""
     try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"unknown device {text!r}; expected cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise argparse.ArgumentTypeError(f"--device {text}: this torch build has no usable CUDA device")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise argparse.ArgumentTypeError(
-                f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) are visible"
-            )
-    elif device.type != "cpu":
+        device = check_device(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if device.type not in ("cpu", "cuda"):
         raise argparse.ArgumentTypeError(f"unsupported device {text!r}; expected cpu, cuda or cuda:N")
     return text
 
 
 def output_dir(text: str) -> Path:
-    """A folder to write into: absent (it will be created) or an existing folder, not a file."""
+    """A folder to write into: an existing folder, or a new one whose nearest existing parent is a
+    writable folder (not a file)."""
     path = Path(text)
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
+    if path.exists():
+        if not path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
+        return path
+    _check_creatable(text, path)
     return path
+
+
+def output_file(text: str) -> Path:
+    """A file to write: not an existing folder, in a folder that exists or can be created."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder, not a file")
+    _check_creatable(text, path)
+    return path
+
+
+def _check_creatable(text: str, path: Path) -> None:
+    """Refuse a path whose nearest existing ancestor is a file or not writable."""
+    parent = next(p for p in path.absolute().parents if p.exists())
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot create {text}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot create {text}: {parent} is not writable")
+
+
+def existing_path(text: str) -> Path:
+    """A file or folder that exists."""
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text} does not exist")
+    return path
+
+
+def existing_file(text: str) -> Path:
+    """A file that exists (not a folder)."""
+    path = existing_path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder, not a file")
+    return path
+
+
+def existing_folder(text: str) -> Path:
+    """A folder that exists (not a file)."""
+    problem = folder_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text} {problem}")
+    return Path(text)
+
+
+def checkpoint_source(text: str) -> str:
+    """A checkpoint folder, or a hub id (``owner/name``) that is not a local path."""
+    problem = folder_problem(text)
+    if problem is None or (problem == "does not exist" and is_hub_id(text)):
+        return text
+    if problem == "does not exist":
+        raise argparse.ArgumentTypeError(f"{text} does not exist (and is not a hub id, owner/name)")
+    raise argparse.ArgumentTypeError(f"{text} {problem}: pass the checkpoint folder that holds it")
 
 
 def add_dtype_argument(
@@ -176,7 +275,62 @@ def add_budget_argument(parser: argparse.ArgumentParser, default: int = DEFAULT_
     """``--max-patches-per-pack``: the patch budget of one encoder forward."""
     parser.add_argument(
         "--max-patches-per-pack",
-        type=positive_int,
+        type=patch_budget,
         default=default,
         help=f"patch budget of one encoder forward; larger images are scaled down to fit (default: {default})",
     )
+
+
+def add_checkpoint_argument(
+    parser: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup,
+    help: str = "checkpoint folder (Kimi-VL release or this package's format) or hub id owner/name",
+    required: bool = False,
+) -> None:
+    """``--checkpoint``: a local folder or a hub id, checked at parse time (a file, a missing path)."""
+    parser.add_argument("--checkpoint", type=checkpoint_source, required=required, help=help)
+
+
+def add_seed_argument(parser: argparse.ArgumentParser, help: str = "random seed") -> None:
+    """``--seed``: an integer >= 0 (numpy's generators refuse negative seeds), default 0."""
+    parser.add_argument("--seed", type=non_negative_int, default=0, help=f"{help} (default: 0)")
+
+
+def add_side_limit_argument(parser: argparse.ArgumentParser) -> None:
+    """``--side-limit-mode``: the processor's ``side_limit_mode`` (default: the checkpoint's setting)."""
+    parser.add_argument(
+        "--side-limit-mode",
+        choices=("error", "resize"),
+        default=None,
+        help="an image with a side over 512 patches: refuse it (error) or scale it down (resize) "
+        "(default: the checkpoint's preprocessor setting, else error)",
+    )
+
+
+# ---- running -------------------------------------------------------------------------------------
+
+
+@contextmanager
+def exit_on(parser: argparse.ArgumentParser, *errors: type[Exception]) -> Iterator[None]:
+    """Turn the package's user-facing errors (:class:`CheckpointError`, :class:`ImageLoadError`,
+    :class:`ImageSizeError`, and ``errors``) into one ``prog: error: ...`` line on stderr and exit
+    status 1."""
+    caught: tuple[type[Exception], ...] = (CheckpointError, ImageLoadError, ImageSizeError, *errors)
+    try:
+        yield
+    except caught as error:
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
+
+
+@contextmanager
+def one_line_warnings() -> Iterator[None]:
+    """Print each warning as one ``warning: message`` line (no file, line number or source line)."""
+
+    def format_warning(message: Warning | str, category: type[Warning], *_: object, **__: object) -> str:
+        return f"warning: {message}\n"
+
+    previous = warnings.formatwarning
+    warnings.formatwarning = format_warning
+    try:
+        yield
+    finally:
+        warnings.formatwarning = previous

@@ -9,6 +9,7 @@ forward and returns an :class:`EncodedPack` that splits the outputs per image.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -24,6 +25,7 @@ from .model.interface import VisionEncoder
 
 __all__ = [
     "EncodedImage",
+    "EncodedImages",
     "EncodedPack",
     "encode_images",
     "encode_pack",
@@ -55,6 +57,23 @@ class EncodedImage:
     chunk: int | None = None
     frames: int = 1
     timestamp: float | None = None
+
+
+class EncodedImages(list[torch.Tensor]):
+    """:func:`encode_images`' result: a list of one (n_i, 4, D) tensor of merged tokens per image,
+    in input order, with what happened to each image alongside.
+
+    Attributes:
+        grid_hws: (rows, cols) each image was encoded at.
+        rescaled: whether each image was scaled below the processor's size to fit the pack
+            budget (its tokens are then fewer than the processor alone would give).
+    """
+
+    def __init__(self, results: Iterable[EncodedImage] = ()) -> None:
+        results = list(results)
+        super().__init__(result.tokens for result in results)
+        self.grid_hws: list[tuple[int, int]] = [result.grid_hw for result in results]
+        self.rescaled: list[bool] = [result.rescaled for result in results]
 
 
 @dataclass(frozen=True)
@@ -211,15 +230,16 @@ def encode_images(
     max_patches_per_pack: int = DEFAULT_MAX_PATCHES_PER_PACK,
     output_device: torch.device | str = "cpu",
     video_processor: MoonViTVideoProcessor | None = None,
-) -> list[torch.Tensor]:
+) -> EncodedImages:
     """Encode images of any sizes: one (rows_i * cols_i / 4, 4, D) tensor of merged tokens per image,
     and one per chunk of each video, in input order.
 
-    Same arguments as :func:`iter_encode_images`, which this collects.
+    Same arguments as :func:`iter_encode_images`, which this collects. An image that alone
+    exceeds ``max_patches_per_pack`` is scaled down to fit: ``result.rescaled[i]`` flags it, and
+    one ``UserWarning`` per call names such images.
     """
-    return [
-        result.tokens
-        for result in iter_encode_images(
+    results = EncodedImages(
+        iter_encode_images(
             encoder,
             processor,
             images,
@@ -227,7 +247,17 @@ def encode_images(
             output_device=output_device,
             video_processor=video_processor,
         )
-    ]
+    )
+    rescaled = [index for index, flag in enumerate(results.rescaled) if flag]
+    if rescaled:
+        shown = ", ".join(map(str, rescaled[:10])) + (", ..." if len(rescaled) > 10 else "")
+        warnings.warn(
+            f"{len(rescaled)} of {len(results)} images were scaled down to fit max_patches_per_pack="
+            f"{max_patches_per_pack} (inputs {shown}), so they have fewer tokens than the processor alone "
+            "gives; raise max_patches_per_pack to keep their size (result.rescaled flags them)",
+            stacklevel=2,
+        )
+    return results
 
 
 def segment_mean(rows: torch.Tensor, counts: Sequence[int] | torch.Tensor) -> torch.Tensor:

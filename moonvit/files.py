@@ -1,4 +1,4 @@
-"""Writing files so that a reader never sees half of one: a temporary name, then a rename."""
+"""Files and folders: atomic writes (a temporary name, then a rename), hashes, and what a path is."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-__all__ = ["atomic_path", "save_safetensors_atomic", "sha256_file", "write_text_atomic"]
+__all__ = ["atomic_path", "folder_problem", "save_safetensors_atomic", "sha256_file", "write_text_atomic"]
 
 
 @contextmanager
@@ -55,3 +55,11 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := file.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def folder_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be used as a folder (``"does not exist"``, ``"is a file, not a folder"``), or None."""
+    target = Path(path)
+    if target.is_dir():
+        return None
+    return "is a file, not a folder" if target.exists() else "does not exist"

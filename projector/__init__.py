@@ -8,10 +8,10 @@
   a language model's ``inputs_embeds``.
 - ``python -m projector.export`` pre-computes visual tokens for a whole image
   collection (resumable, data-parallel under torchrun); :class:`VisualTokenDataset`
-  reads them back for training.
+  reads them back for training, and :func:`collate_visual_tokens` packs them into batches.
 """
 
-from .dataset import VisualTokenDataset
+from .dataset import VisualTokenDataset, collate_visual_tokens
 from .model import PROJECTOR_TYPES, MoonViTProjector, ProjectorConfig
 from .prompt import expand_media_pads, media_prompt, video_prompt
 from .splice import (
@@ -32,6 +32,7 @@ __all__ = [
     "ProjectorConfig",
     "VisualTokenDataset",
     "expand_media_pads",
+    "collate_visual_tokens",
     "expand_visual_tokens",
     "media_prompt",
     "splice_visual_tokens",

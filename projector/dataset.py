@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import safe_open
 from torch.utils.data import Dataset
 
 from .token_folder import MANIFEST_FILE, RUN_FILE
 
-__all__ = ["VisualTokenDataset"]
+__all__ = ["VisualTokenDataset", "collate_visual_tokens"]
 
 
 class VisualTokenDataset(Dataset):
@@ -22,7 +24,8 @@ class VisualTokenDataset(Dataset):
     dtype, n = rows * cols / 4. Only the image's rows are read from its shard
     (``safe_open(...).get_slice``), and the item owns just those rows. Shards are opened on
     first use in each process and open handles are not pickled, so the dataset works with
-    DataLoader workers.
+    DataLoader workers; ``DataLoader(dataset, batch_size=B, collate_fn=collate_visual_tokens)``
+    packs each batch's variable-length token sets back to back.
 
     Args:
         folder: an export's ``--out`` folder, with ``run.json`` and ``manifest.jsonl``.
@@ -80,3 +83,41 @@ class VisualTokenDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_handles": {}}
+
+
+def collate_visual_tokens(items: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A DataLoader ``collate_fn`` for :class:`VisualTokenDataset`: the items' token sets packed
+    back to back (no padding), as the encoder and ``splice_visual_tokens`` lay them out.
+
+    Returns:
+        ``ids`` (list of B ids), ``grid_hws`` (B, 2) int64, ``num_tokens`` (B,) int64 (n_i), and
+        for each stored kind the items' tokens concatenated in batch order: ``projected``
+        (sum n_i, llm_hidden) and / or ``merged`` (sum n_i, 4, D).
+        ``batch[kind].split(batch["num_tokens"].tolist())`` gives the items' tokens back.
+
+    Raises:
+        ValueError: no items, items without tokens or holding different kinds, or tokens of
+            different trailing shapes or dtypes for one kind (items of different exports).
+    """
+    if not items:
+        raise ValueError("collate_visual_tokens got no items")
+    kinds = [key for key in items[0] if key not in ("id", "grid_hw")]
+    if not kinds:
+        raise ValueError("the items hold no tokens (a VisualTokenDataset made with kinds=())")
+    for item in items:
+        other = sorted(key for key in item if key not in ("id", "grid_hw"))
+        if other != sorted(kinds):
+            raise ValueError(f"item {item.get('id')!r} holds {other}, the batch's first item {sorted(kinds)}")
+    batch: dict[str, Any] = {
+        "ids": [item["id"] for item in items],
+        "grid_hws": torch.tensor([list(item["grid_hw"]) for item in items], dtype=torch.int64).reshape(-1, 2),
+        "num_tokens": torch.tensor([len(item[kinds[0]]) for item in items], dtype=torch.int64),
+    }
+    for kind in kinds:
+        layouts = {(tuple(item[kind].shape[1:]), item[kind].dtype) for item in items}
+        if len(layouts) > 1:
+            raise ValueError(
+                f"the batch's {kind} tokens differ in (trailing shape, dtype): {sorted(map(str, layouts))}"
+            )
+        batch[kind] = torch.cat([item[kind] for item in items])
+    return batch

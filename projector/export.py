@@ -10,12 +10,20 @@ go to ``parts/shard-{k:06d}.json``. Both files are written to a temporary name a
 first, so a shard is done exactly when its part exists: a killed run started again with the same
 arguments redoes only the shards in flight. At the end rank 0 assembles ``manifest.jsonl`` (one
 line per exported image, in input order) and ``failures.jsonl`` from the parts. ``run.json`` holds
-the settings; starting again with other settings into the same folder is an error.
+the settings; starting again with other settings into the same folder is an error that names each
+differing setting with both values.
 
 Under torchrun each rank takes a contiguous run of shards with about equal patch totals (planned
-from the file headers) and writes its own shards; shard names and contents do not depend on the
-number of ranks. ``--out`` must be a folder that every rank sees (a shared filesystem across
-machines). Without torchrun's environment the export runs in one process.
+from the file headers) and writes its own shards; each shard is encoded in the same packs
+whichever rank writes it, so for the same thread count per process the output is byte-identical
+to one process's. ``run.json`` records that thread count (torchrun sets ``OMP_NUM_THREADS=1`` per
+rank unless ``--threads`` says otherwise), torch's version and the CPU's kernel level, since CPU
+kernels may round differently under any of them. ``--out`` must be a folder that every rank sees
+(a shared filesystem across machines). Without torchrun's environment the export runs in one
+process.
+
+An input with nothing to export (no image files, or no image that can be planned) is an error,
+and so is a run that exports no image at all; files skipped for their extension are counted.
 """
 
 from __future__ import annotations
@@ -42,10 +50,16 @@ import moonvit
 from moonvit import IMAGE_EXTENSIONS, MoonViT, MoonViTImageProcessor, PackItem, VisionEncoder
 from moonvit.cli import (
     add_budget_argument,
+    add_checkpoint_argument,
     add_device_argument,
     add_dtype_argument,
+    add_side_limit_argument,
     add_threads_argument,
     apply_threads,
+    existing_path,
+    exit_on,
+    one_line_warnings,
+    output_dir,
     positive_int,
     torch_dtype,
 )
@@ -54,6 +68,7 @@ from moonvit.files import save_safetensors_atomic, sha256_file, write_text_atomi
 from moonvit.media.packing import group_into_packs, plan_pack_item, plan_video_items
 from moonvit.media.video import VIDEO_EXTENSIONS, MoonViTVideoProcessor, is_video
 from moonvit.weights.checkpoint import CheckpointError, update_weights_digest
+from moonvit.weights.hub import source_label
 
 from .model import MoonViTProjector
 from .token_folder import FAILURES_FILE, FORMAT, MANIFEST_FILE, PARTS_DIR, RUN_FILE
@@ -62,9 +77,11 @@ __all__ = [
     "STORES",
     "ExportError",
     "InputImage",
+    "Inputs",
     "export",
     "main",
     "read_inputs",
+    "scan_inputs",
 ]
 
 STORES = {"merged": ("merged",), "projected": ("projected",), "both": ("merged", "projected")}
@@ -85,10 +102,28 @@ class InputImage:
     path: str
 
 
-def read_inputs(path: Path) -> list[InputImage]:
+@dataclass(frozen=True)
+class Inputs:
+    """What ``--inputs`` names: the images, and the files of a folder skipped for their extension
+    (lower-cased extension, "" for none -> count)."""
+
+    images: list[InputImage]
+    skipped: dict[str, int]
+
+    def skipped_line(self) -> str:
+        """``3 files skipped for their extension (.txt 2, .json 1)``, or "" when none were."""
+        if not self.skipped:
+            return ""
+        ordered = sorted(self.skipped.items(), key=lambda item: (-item[1], item[0]))  # most first, then by name
+        counts = ", ".join(f"{ext or '(none)'} {n}" for ext, n in ordered)
+        return f"{sum(self.skipped.values())} files skipped for their extension ({counts})"
+
+
+def scan_inputs(path: Path) -> Inputs:
     """The images named by ``--inputs``, in a deterministic order.
 
-    - a folder: every file with an image extension below it, sorted by relative path (the id);
+    - a folder: every file below it whose extension is in ``moonvit.IMAGE_EXTENSIONS``, sorted
+      by relative path (the id); other files are counted by extension;
     - a ``.jsonl`` file: one ``{"id": ..., "path": ...}`` object per line;
     - any other file: one path per line (the id is the line as written).
 
@@ -96,24 +131,37 @@ def read_inputs(path: Path) -> list[InputImage]:
     Blank lines are skipped.
 
     Raises:
-        ExportError: the path does not exist, a JSONL line lacks ``id`` / ``path``, or ids repeat.
+        ExportError: the path does not exist, it names no image (the skipped files counted), a
+            JSONL line lacks ``id`` / ``path``, or ids repeat.
     """
     path = path.absolute()
+    skipped: dict[str, int] = {}
     if path.is_dir():
-        images = _folder_inputs(path)
+        images, skipped = _folder_inputs(path)
     elif path.is_file():
         images = _jsonl_inputs(path) if path.suffix.lower() == ".jsonl" else _text_inputs(path)
     else:
         raise ExportError(f"--inputs {path} is neither a folder nor a file")
+    inputs = Inputs(images, skipped)
+    if not images:
+        extensions = " ".join(sorted(IMAGE_EXTENSIONS))
+        detail = f": {inputs.skipped_line()}; image extensions are {extensions}" if skipped else ""
+        raise ExportError(f"--inputs {path} names no images{detail}")
     _check_unique_ids(images, path)
-    return images
+    return inputs
 
 
-def _folder_inputs(folder: Path) -> list[InputImage]:
+def read_inputs(path: Path) -> list[InputImage]:
+    """The images (and videos) of :func:`scan_inputs`."""
+    return scan_inputs(path).images
+
+
+def _folder_inputs(folder: Path) -> tuple[list[InputImage], dict[str, int]]:
     media = IMAGE_EXTENSIONS | VIDEO_EXTENSIONS
-    files = (p for p in folder.rglob("*") if p.suffix.lower() in media and p.is_file())
-    relative = sorted(p.relative_to(folder).as_posix() for p in files)
-    return [InputImage(name, str(folder / name)) for name in relative]
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    relative = sorted(p.relative_to(folder).as_posix() for p in files if p.suffix.lower() in media)
+    skipped = collections.Counter(p.suffix.lower() for p in files if p.suffix.lower() not in media)
+    return [InputImage(name, str(folder / name)) for name in relative], dict(skipped)
 
 
 def _text_inputs(file: Path) -> list[InputImage]:
@@ -236,12 +284,23 @@ def init_ranks(device: str) -> tuple[Ranks, torch.device]:
 
 
 def plan_all(images: Sequence[InputImage], models: Models, budget: int, ranks: Ranks) -> list[PlannedImage]:
-    """Plan every input, the header reads spread over the ranks; the same list on every rank."""
+    """Plan every input, the header reads spread over the ranks; the same list on every rank.
+
+    Raises:
+        ExportError: no input can be planned (the commonest reasons given).
+    """
     mine = {i: plan_input(i, images[i], models, budget) for i in range(ranks.rank, len(images), ranks.world_size)}
     merged: dict[int, PlannedImage] = {}
     for part in ranks.all_gather(mine):
         merged.update(part)
-    return [merged[i] for i in range(len(images))]
+    planned = [merged[i] for i in range(len(images))]
+    if all(not entry.items for entry in planned):
+        reasons = collections.Counter(str(entry.reason) for entry in planned).most_common(3)
+        raise ExportError(
+            f"none of the {len(planned)} inputs can be exported: "
+            + "; ".join(f"{reason} ({count} images)" for reason, count in reasons)
+        )
+    return planned
 
 
 # ---- models ----------------------------------------------------------------------------------
@@ -258,8 +317,14 @@ class Models:
     checkpoint_sha256: str
 
 
-def load_models(checkpoint: Path, store: Sequence[str], dtype: torch.dtype, device: torch.device) -> Models:
-    """Load the checkpoint folder and hash the weights as read (before the cast to ``dtype``)."""
+def load_models(
+    checkpoint: str | Path,
+    store: Sequence[str],
+    dtype: torch.dtype,
+    device: torch.device,
+    processor_overrides: dict[str, Any] | None = None,
+) -> Models:
+    """Load the checkpoint (a folder or hub id) and hash the weights as read (before the cast to ``dtype``)."""
     digest = hashlib.sha256()
     try:
         encoder = MoonViT.from_pretrained(checkpoint, device="cpu")
@@ -271,8 +336,8 @@ def load_models(checkpoint: Path, store: Sequence[str], dtype: torch.dtype, devi
     except CheckpointError as error:
         hint = " (use --store merged to export without a projector)" if "projected" in store else ""
         raise ExportError(f"--checkpoint {checkpoint}: {error}{hint}") from error
-    processor = MoonViTImageProcessor.from_pretrained(checkpoint)
-    video_processor = MoonViTVideoProcessor.from_pretrained(checkpoint)
+    processor = MoonViTImageProcessor.from_pretrained(checkpoint, **(processor_overrides or {}))
+    video_processor = MoonViTVideoProcessor.from_pretrained(checkpoint)  # frames always resize to the side cap
     encoder = encoder.to(device=device, dtype=dtype).eval()
     projector = projector.to(device=device, dtype=dtype).eval() if projector is not None else None
     return Models(encoder, projector, processor, video_processor, digest.hexdigest())
@@ -281,16 +346,21 @@ def load_models(checkpoint: Path, store: Sequence[str], dtype: torch.dtype, devi
 # ---- run description -------------------------------------------------------------------------
 
 
-def describe_run(args: argparse.Namespace, models: Models, images: Sequence[InputImage]) -> dict[str, Any]:
+def describe_run(
+    args: argparse.Namespace, models: Models, images: Sequence[InputImage], device: torch.device
+) -> dict[str, Any]:
     """The content of ``run.json``: everything that determines the output folder's bytes.
 
-    Made of JSON types only (lists, not tuples), so it compares equal to the file read back.
+    ``compute`` holds what the numbers depend on beyond the arguments: the threads per process
+    in effect, torch's version, the device type and, on CPU, the kernel level torch dispatches to.
+    The number of ranks is not there: it does not change the output. Made of JSON types only
+    (lists, not tuples), so it compares equal to the file read back.
     """
     listing = hashlib.sha256("\n".join(f"{image.id}\t{image.path}" for image in images).encode()).hexdigest()
     run = {
         "format": FORMAT,
         "moonvit_version": moonvit.__version__,
-        "checkpoint": {"path": str(args.checkpoint.resolve()), "sha256": models.checkpoint_sha256},
+        "checkpoint": {"path": source_label(args.checkpoint), "sha256": models.checkpoint_sha256},
         "processor": models.processor.to_dict(),
         "video_processor": models.video_processor.to_dict(),
         "store": list(STORES[args.store]),
@@ -303,6 +373,13 @@ def describe_run(args: argparse.Namespace, models: Models, images: Sequence[Inpu
             "shard_size": args.shard_size,
             "device": args.device,
             "threads": args.threads,
+            "side_limit_mode": args.side_limit_mode,
+        },
+        "compute": {
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "device_type": device.type,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else None,
         },
     }
     return json.loads(json.dumps(run))
@@ -312,20 +389,39 @@ def claim_output(out: Path, run: dict[str, Any]) -> None:
     """Write ``run.json``, or check that the one already in ``out`` describes the same run.
 
     Raises:
-        ExportError: ``out`` holds an export made with other settings (the differing keys named).
+        ExportError: ``out`` holds an export made with other settings (each differing setting
+            named with its value there and now).
     """
     file = out / RUN_FILE
     if file.is_file():
         previous = json.loads(file.read_text())
         if previous != run:
-            keys = sorted(k for k in run.keys() | previous.keys() if run.get(k) != previous.get(k))
+            changes = "; ".join(
+                f"{key}: {before!r} there, {after!r} now" for key, before, after in differences(previous, run)
+            )
             raise ExportError(
-                f"--out {out} holds an export with other settings (differing in {', '.join(keys)} of {file}); "
+                f"--out {out} holds an export with other settings ({changes}; from {file}); "
                 "use the same arguments to resume, or another --out"
             )
         return
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(file, json.dumps(run, indent=2) + "\n")
+
+
+_ABSENT = "(absent)"
+
+
+def differences(before: Any, after: Any, key: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, value before, value after) for every leaf that differs between two JSON values."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        return [
+            change
+            for name in sorted(before.keys() | after.keys())
+            for change in differences(
+                before.get(name, _ABSENT), after.get(name, _ABSENT), f"{key}.{name}" if key else name
+            )
+        ]
+    return [] if before == after else [(key, before, after)]
 
 
 # ---- shards ----------------------------------------------------------------------------------
@@ -521,9 +617,15 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _export(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> dict[str, Any]:
-    images = read_inputs(args.inputs)
-    models = load_models(args.checkpoint, STORES[args.store], torch_dtype(args.dtype), device)
-    run = describe_run(args, models, images)
+    inputs = scan_inputs(args.inputs)
+    images = inputs.images
+    overrides = {} if args.side_limit_mode is None else {"side_limit_mode": args.side_limit_mode}
+    models = load_models(args.checkpoint, STORES[args.store], torch_dtype(args.dtype), device, overrides)
+    smallest = models.encoder.config.tokens_per_merge
+    if args.max_patches_per_pack < smallest:
+        raise ExportError(f"--max-patches-per-pack {args.max_patches_per_pack} is below one merged token ({smallest})")
+    run = describe_run(args, models, images, device)
+    planned = plan_all(images, models, args.max_patches_per_pack, ranks)
     problem = None
     if ranks.is_main:
         try:
@@ -534,7 +636,6 @@ def _export(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> dic
     if problem is not None:
         raise ExportError(problem)
 
-    planned = plan_all(images, models, args.max_patches_per_pack, ranks)
     layout = shard_ranges(len(images), args.shard_size)
     costs = [sum(planned[i].num_patches for i in shard) for shard in layout]
     mine = split_balanced(costs, ranks.world_size)[ranks.rank]
@@ -543,18 +644,22 @@ def _export(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> dic
     summary = None
     if ranks.is_main:
         exported, failed = assemble(args.out, len(layout))
-        summary = _summary(everyone, exported, failed)
-        print(_summary_line(summary, args.out))
-    return ranks.from_main(summary)
+        summary = _summary(everyone, exported, failed, inputs.skipped)
+        print(_summary_line(summary, args.out, inputs))
+    summary = ranks.from_main(summary)
+    if summary["images"] == 0:
+        raise ExportError(f"no image could be exported: the reasons are in {args.out / FAILURES_FILE}")
+    return summary
 
 
-def _summary(progress: Sequence[Progress], exported: int, failed: int) -> dict[str, Any]:
+def _summary(progress: Sequence[Progress], exported: int, failed: int, skipped: dict[str, int]) -> dict[str, Any]:
     seconds = max(p.seconds for p in progress)
     done = sum(p.images + p.failed for p in progress)
     tokens = sum(p.tokens for p in progress)
     return {
         "images": exported,
         "failed": failed,
+        "skipped": skipped,
         "images_this_run": done,
         "tokens_this_run": tokens,
         "seconds": seconds,
@@ -563,16 +668,17 @@ def _summary(progress: Sequence[Progress], exported: int, failed: int) -> dict[s
     }
 
 
-def _summary_line(summary: dict[str, Any], out: Path) -> str:
+def _summary_line(summary: dict[str, Any], out: Path, inputs: Inputs) -> str:
+    skipped = f"; {inputs.skipped_line()}" if inputs.skipped else ""
     return (
-        f"exported {summary['images']} images, {summary['failed']} failed (see {out / FAILURES_FILE}); this run "
-        f"processed {summary['images_this_run']} images into {summary['tokens_this_run']} tokens "
+        f"exported {summary['images']} images, {summary['failed']} failed (see {out / FAILURES_FILE}){skipped}; "
+        f"this run processed {summary['images_this_run']} images into {summary['tokens_this_run']} tokens "
         f"in {summary['seconds']:.1f} s "
         f"({summary['images_per_s']:.1f} images/s, {summary['tokens_per_s']:.0f} tokens/s)"
     )
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m projector.export",
         description=__doc__.split("\n")[0],
@@ -580,14 +686,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--inputs",
-        type=Path,
+        type=existing_path,
         required=True,
-        help="image folder (recursive), text file of paths, or JSONL of {id, path} lines",
+        help="image folder (recursive; files with other extensions are skipped and counted), "
+        "text file of paths, or JSONL of {id, path} lines",
     )
-    parser.add_argument(
-        "--checkpoint", type=Path, required=True, help="folder with the encoder, projector and preprocessor_config.json"
+    add_checkpoint_argument(
+        parser,
+        help="folder or hub id (owner/name) with the encoder, projector and preprocessor_config.json",
+        required=True,
     )
-    parser.add_argument("--out", type=Path, required=True, help="output folder (resumed if it holds this run)")
+    parser.add_argument("--out", type=output_dir, required=True, help="output folder (resumed if it holds this run)")
     parser.add_argument(
         "--store",
         choices=sorted(STORES),
@@ -597,17 +706,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_dtype_argument(parser, "bf16", "compute and storage dtype")
     add_budget_argument(parser)
     parser.add_argument("--shard-size", type=positive_int, default=1000, help="images per shard (default: 1000)")
+    add_side_limit_argument(parser)
     add_device_argument(parser, "cpu, cuda or cuda:N (each torchrun rank takes cuda:LOCAL_RANK)")
     add_threads_argument(parser)
-    return parser.parse_args(argv)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    try:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    with one_line_warnings(), exit_on(parser, ExportError):
         return export(args)
-    except ExportError as error:
-        raise SystemExit(f"error: {error}") from error
 
 
 if __name__ == "__main__":

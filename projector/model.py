@@ -10,7 +10,8 @@ Two architectures, chosen by :attr:`ProjectorConfig.projector_type`:
   Linear(4D -> text_hidden_size), exact GELU, Linear(text_hidden_size ->
   text_hidden_size) on each flattened merged token.
 
-Checkpoints are read from a local folder in one of three layouts:
+Checkpoints are read from a local folder or a hub id (only the files holding the
+projector fetched, see :mod:`moonvit.weights.hub`) in one of three layouts:
 
 - this project's own: ``projector_config.json`` + ``projector.safetensors``
   (tensor names ``pre_norm.*``, ``linear_1.*``, ``linear_2.*``). The names do
@@ -36,11 +37,21 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
 
+from moonvit.devices import check_device
 from moonvit.files import save_safetensors_atomic, write_text_atomic
 from moonvit.model.config import DictConfig, MoonViTConfig, merge_kernel
-from moonvit.weights.checkpoint import CheckpointError, assign_from_files, read_json, tensor_files
+from moonvit.weights.checkpoint import (
+    CheckpointError,
+    assign_from_files,
+    checkpoint_folder,
+    config_from_file,
+    open_tensor_file,
+    read_json,
+    tensor_files,
+    tensor_names,
+)
+from moonvit.weights.hub import HubSnapshot
 
 PROJECTOR_TYPES = ("kimi", "mlp2x_gelu")
 CONFIG_FILE = "projector_config.json"
@@ -136,20 +147,21 @@ class MoonViTProjector(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> MoonViTProjector:
-        """Load from a local folder: this project's format, a Kimi-VL or a Kimi-K2.5 checkpoint.
+        """Load from a local folder or hub id: this project's format, a Kimi-VL or a Kimi-K2.5 checkpoint.
 
         ``projector_config.json``, where present, is read in preference to a
         Kimi ``config.json``. Only the projector's tensors are read; ``dtype``
         defaults to the checkpoint's. The model is returned in eval mode.
 
         Raises:
-            CheckpointError: no such folder, no config or projector tensors, an
-                unsupported projector, or tensors that are missing, unexpected or of
-                the wrong shape (all of them named).
+            CheckpointError: no such folder (or a file), no config or projector tensors, an
+                unsupported projector, a corrupt file, or tensors that are missing,
+                unexpected or of the wrong shape (all of them named).
+            ValueError: a ``device`` this torch cannot reach.
         """
-        folder = Path(path)
-        if not folder.is_dir():
-            raise CheckpointError(f"checkpoint folder {folder} does not exist")
+        if device is not None:
+            device = check_device(device)
+        folder = checkpoint_folder(path, _fetch_projector_files)
         if (folder / CONFIG_FILE).is_file():
             config, layout, files = _read_own_format(folder)
         elif (folder / "config.json").is_file():
@@ -232,11 +244,10 @@ class Layout:
         module, kind = name.rsplit(".", 1)
         return f"{self.modules[module]}.{kind}"
 
-    def owns(self, name: str) -> bool:
-        """Whether a checkpoint tensor lies under one of the layout's projector modules' roots
-        (``mm_projector.``, ...), so that stray tensors there are reported, not skipped."""
-        roots = {module[: module.index("projector.") + len("projector.")] for module in self.modules.values()}
-        return any(name.startswith(root) for root in roots)
+    @property
+    def roots(self) -> tuple[str, ...]:
+        """The name prefixes of its projector modules (``mm_projector.``, ...)."""
+        return tuple(sorted({m[: m.index("projector.") + len("projector.")] for m in self.modules.values()}))
 
 
 OWN_LAYOUT = Layout("moonvit", {"pre_norm": "pre_norm", "linear_1": "linear_1", "linear_2": "linear_2"})
@@ -264,12 +275,23 @@ KIMI_LAYOUTS = (KIMI_VL_LAYOUT, KIMI_K25_LAYOUT, KIMI_K25_NATIVE_LAYOUT, KIMI_K2
 
 def _read_own_format(folder: Path) -> tuple[ProjectorConfig, Layout, dict[Path, list[str]]]:
     """The config of this project's format, and its one tensor file with the names it holds."""
-    config = ProjectorConfig.from_dict(read_json(folder / CONFIG_FILE))
+    config = config_from_file(ProjectorConfig, read_json(folder / CONFIG_FILE), folder / CONFIG_FILE)
     weights = folder / WEIGHTS_FILE
     if not weights.is_file():
         raise CheckpointError(f"{folder} has {CONFIG_FILE} but no {WEIGHTS_FILE}")
-    with safe_open(weights, framework="pt") as f:
+    with open_tensor_file(weights) as f:
         return config, OWN_LAYOUT, {weights: list(f.keys())}
+
+
+def _fetch_projector_files(snapshot: HubSnapshot) -> None:
+    """From a hub repository: this project's two files, or config.json and the shards holding a
+    Kimi projector's tensors. Offline, an uncached projector_config.json counts as absent: Kimi
+    releases have none, and this project's folders fail loudly without it."""
+    if snapshot.optional_file(CONFIG_FILE, unknown="absent") is not None:
+        snapshot.file(WEIGHTS_FILE)
+        return
+    snapshot.file("config.json")
+    snapshot.tensors(*{root for layout in KIMI_LAYOUTS for root in layout.roots})
 
 
 def _config_from_kimi(values: dict[str, Any], folder: Path) -> ProjectorConfig:
@@ -303,24 +325,25 @@ def _config_from_kimi(values: dict[str, Any], folder: Path) -> ProjectorConfig:
             f"{folder}/config.json lacks the vision width (vision_config.{' / '.join(VISION_HIDDEN_KEYS)}) "
             "or the text width (text_config.hidden_size)"
         )
-    return ProjectorConfig(
-        projector_type="kimi",
-        vision_hidden_size=vision_hidden,
-        text_hidden_size=text_hidden,
-        merge_kernel_size=vision.get("merge_kernel_size", (2, 2)),
-        layer_norm_eps=vision.get("projector_ln_eps", values.get("projection_layer_norm_eps", 1e-5)),
-    )
+    try:
+        return ProjectorConfig(
+            projector_type="kimi",
+            vision_hidden_size=vision_hidden,
+            text_hidden_size=text_hidden,
+            merge_kernel_size=vision.get("merge_kernel_size", (2, 2)),
+            layer_norm_eps=vision.get("projector_ln_eps", values.get("projection_layer_norm_eps", 1e-5)),
+        )
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{folder}/config.json: {error}") from error
 
 
 def _find_kimi_projector(folder: Path) -> tuple[Layout, dict[Path, list[str]]]:
     """The layout whose tensors the folder holds, and the files that hold them (only those)."""
-    everything = tensor_files(folder, "")
-    present = {name for names in everything.values() for name in names}
+    present = set(tensor_names(folder))
     for layout in KIMI_LAYOUTS:
         wanted = {layout.checkpoint_name(f"{module}.weight") for module in layout.modules}
         if wanted <= present:
-            files = {file: [name for name in found if layout.owns(name)] for file, found in everything.items()}
-            return layout, {file: found for file, found in files.items() if found}
+            return layout, tensor_files(folder, layout.roots)
     raise CheckpointError(
         f"{folder} holds no projector tensors "
         f"(multi_modal_projector.* for Kimi-VL, mm_projector.* or model.mm_projector.* for Kimi-K2.5)"

@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import SafeOpenSpy, random_pack, tiny_model, write_kimi_vl_folder
+from helpers import SafeOpenSpy, make_checkpoint, random_pack, tiny_model, write_kimi_vl_folder
 from safetensors.torch import load_file, save_file
 
 import moonvit.weights.checkpoint as checkpoint
@@ -154,3 +154,157 @@ def test_bad_folders_are_named(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "gone.safetensors"}}))
     with pytest.raises(CheckpointError, match="names gone.safetensors"):
         MoonViT.from_pretrained(tmp_path)
+
+
+# ---- damaged and mismatched checkpoints ---------------------------------------------------------
+
+
+def truncate(path, keep):
+    data = path.read_bytes()
+    path.write_bytes(data[: keep(len(data))])
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda p: truncate(p, lambda n: n // 2),  # cut in the tensor data
+        lambda p: truncate(p, lambda n: 20),  # cut in the header
+        lambda p: truncate(p, lambda n: 0),  # empty
+        lambda p: p.write_bytes(b"garbage" * 100),  # not safetensors at all
+    ],
+)
+def test_a_damaged_tensor_file_is_named(tmp_path, damage):
+    from projector import MoonViTProjector
+
+    write_kimi_vl_folder(tmp_path, tiny_model(), other_tensors=LM_TENSORS, sharded=True)
+    damage(tmp_path / "model-00002-of-00003.safetensors")
+    with pytest.raises(CheckpointError, match=r"cannot read .*model-00002-of-00003\.safetensors.*safetensors"):
+        MoonViT.from_pretrained(tmp_path)
+    own = make_checkpoint(tmp_path / "own")
+    damage(own / "projector.safetensors")
+    with pytest.raises(CheckpointError, match=r"cannot read .*own/projector\.safetensors"):
+        MoonViTProjector.from_pretrained(own)
+
+
+def test_a_depth_mismatch_is_one_line(tmp_path):
+    write_kimi_vl_folder(tmp_path, tiny_model())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["vision_config"]["num_hidden_layers"] = 27
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError) as error:
+        MoonViT.from_pretrained(tmp_path)
+    message = str(error.value)
+    assert "vision_tower.encoder.blocks: the checkpoint has 2, the config says 27" in message
+    assert "missing 300 tensors: vision_tower.encoder.blocks.{2..26}.* (300)" in message  # 12 per block
+    assert len(message) < 400 and "\n" not in message
+
+
+def test_a_depth_mismatch_the_other_way_and_stray_tensors(tmp_path):
+    model = tiny_model(num_hidden_layers=3)
+    write_kimi_vl_folder(tmp_path, model)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["vision_config"]["num_hidden_layers"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        CheckpointError,
+        match=r"the checkpoint has 3, the config says 1; unexpected 24 tensors: .*blocks\.\{1\.\.2\}\.\* \(24\)$",
+    ):
+        MoonViT.from_pretrained(tmp_path)
+
+
+def test_a_width_mismatch_is_counted_not_listed(tmp_path):
+    write_kimi_vl_folder(tmp_path, tiny_model())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["vision_config"].update(hidden_size=128, num_attention_heads=4)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError) as error:
+        MoonViT.from_pretrained(tmp_path)
+    message = str(error.value)
+    assert "tensors of the wrong shape for the config" in message and message.count("expected") == 3
+    assert message.endswith("; ...")
+
+
+def test_unknown_config_keys_are_named(tmp_path):
+    model = tiny_model()
+    write_kimi_vl_folder(tmp_path, model)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["vision_config"].update(num_hiden_layers=4, torch_dtype="bfloat16", mm_projector_type="patchmerger")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match=r"config\.json: ignoring keys this package does not read: num_hiden_layers$"):
+        assert_same_model(model, MoonViT.from_pretrained(tmp_path))
+
+
+def test_invalid_config_values_name_the_file(tmp_path):
+    MoonViTConfig(hidden_size=64, num_attention_heads=4).save(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_attention_heads": 5}))
+    with pytest.raises(
+        CheckpointError, match=r"config\.json: hidden_size 64 is not divisible by num_attention_heads 5"
+    ):
+        MoonViT.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match=r"config\.json holds a JSON list, not an object"):
+        MoonViT.from_pretrained(tmp_path)
+
+
+def test_a_file_where_a_folder_is_expected_is_said_so(tmp_path):
+    from projector import MoonViTProjector
+
+    tiny_model().save_pretrained(tmp_path)
+    for load in (MoonViT.from_pretrained, MoonViTProjector.from_pretrained):
+        with pytest.raises(CheckpointError, match=r"model\.safetensors is a file, not a folder \(pass the checkpoint"):
+            load(tmp_path / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "is not valid JSON"),
+        ('["a list"]', "holds a JSON list, not an object"),
+        ('{"patch_size": 0}', "patch_size must be a positive int"),
+        ('{"image_mean": "grey"}', "image_mean must hold 3 values"),
+        (b"\xff\xfe\x00binary", "is not a text file"),
+    ],
+)
+def test_a_broken_preprocessor_config_names_the_file(tmp_path, text, message):
+    from moonvit import MoonViTImageProcessor
+
+    file = tmp_path / "preprocessor_config.json"
+    file.write_bytes(text) if isinstance(text, bytes) else file.write_text(text)
+    for source in (tmp_path, file):
+        with pytest.raises(CheckpointError, match=rf"preprocessor_config\.json.*{message}"):
+            MoonViTImageProcessor.from_pretrained(source)
+
+
+def test_unknown_preprocessor_keys_are_named(tmp_path):
+    from moonvit import MoonViTImageProcessor
+
+    (tmp_path / "preprocessor_config.json").write_text(
+        json.dumps({"in_patch_limit": 16384, "num_pooled_tokens": 1024, "image_processor_type": "X", "patch_size": 14})
+    )
+    with pytest.warns(UserWarning, match=r"ignoring keys this package does not read: in_patch_limit$"):
+        MoonViTImageProcessor.from_pretrained(tmp_path)
+
+
+def test_warnings_of_a_command_line_are_one_line(tmp_path):
+    """A loader's warning, printed by a command line: one line, no source line."""
+    from PIL import Image
+
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({**config, "vt_extra": 1}))
+    Image.new("RGB", (28, 28)).save(tmp_path / "a.png")
+    command = [
+        sys.executable,
+        "-m",
+        "moonvit",
+        "--checkpoint",
+        str(tmp_path / "ckpt"),
+        "--images",
+        str(tmp_path / "a.png"),
+    ]
+    result = subprocess.run([*command, "--out", str(tmp_path / "out")], capture_output=True, text=True, check=True)
+    assert result.stderr.splitlines() == [
+        f"warning: {tmp_path / 'ckpt' / 'config.json'}: ignoring keys this package does not read: vt_extra"
+    ]

@@ -2,7 +2,9 @@ import json
 import subprocess
 import sys
 
+import pytest
 from helpers import tiny_model
+from PIL import Image
 from safetensors.torch import load_file
 
 from moonvit import MoonViTImageProcessor
@@ -28,8 +30,6 @@ def test_main_job_from_a_checkpoint_folder_and_files(tmp_path, capsys):
     model = tiny_model()
     model.save_pretrained(tmp_path / "ckpt")
     MoonViTImageProcessor(in_token_limit=64).save_pretrained(tmp_path / "ckpt")
-    from PIL import Image
-
     Image.new("RGB", (300, 200), (10, 200, 30)).save(tmp_path / "a.png")
     main(
         [
@@ -73,3 +73,93 @@ def test_main_job_saves_a_checkpoint_and_images_for_the_export(tmp_path, capsys)
 def test_help_runs_as_a_module():
     result = subprocess.run([sys.executable, "-m", "moonvit", "--help"], capture_output=True, text=True, check=True)
     assert "--checkpoint" in result.stdout and "--threads" in result.stdout
+
+
+def cli_error(capsys, args, status):
+    """Run the main job, which must fail: its last stderr line (no traceback)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == status
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_every_input_image_comes_out_under_its_own_key(tmp_path, capsys):
+    colours = {"a/x.png": (200, 0, 0), "b/x.png": (0, 200, 0), "b/x.jpg": (0, 0, 200), "b/sub/x.png": (9, 9, 9)}
+    for name, colour in colours.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (40, 30), colour).save(tmp_path / name)
+    paths = [tmp_path / name for name in colours] + [tmp_path / "a/x.png"]  # the first file twice
+    out = tmp_path / "out"
+    main(["--preset", "tiny", "--out", str(out), "--save-images", str(out / "images"), "--images", *map(str, paths)])
+    summary = json.loads((out / "summary.json").read_text())["images"]
+    keys = [entry["image"] for entry in summary]
+    assert keys == ["a/x.png", "b/x.png", "b/x.jpg", "b/sub/x.png", "a/x~2.png"]
+    assert set(load_file(out / "merged.safetensors")) == set(keys)
+    saved = [entry["saved_as"] for entry in summary]
+    assert saved == ["a/x.png", "b/x.png", "b/x~2.png", "b/sub/x.png", "a/x~2.png"]
+    for entry, path in zip(summary, paths):
+        assert entry["path"] == str(path)
+        pixel = Image.open(out / "images" / entry["saved_as"]).convert("RGB").getpixel((5, 5))
+        assert pixel == Image.open(path).convert("RGB").getpixel((5, 5))  # each file saved, none overwritten
+    assert len(list((out / "images").rglob("*.png"))) == 5
+
+
+def test_nothing_is_written_when_an_image_fails(tmp_path, capsys):
+    Image.new("RGB", (40, 30)).save(tmp_path / "good.png")
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
+    out = tmp_path / "out"
+    args = ["--preset", "tiny", "--out", str(out), "--save-checkpoint", str(tmp_path / "ckpt")]
+    line = cli_error(capsys, [*args, "--images", str(tmp_path / "good.png"), str(tmp_path / "broken.png")], 1)
+    assert line.startswith("python -m moonvit: error: input image 1:") and "broken.png" in line
+    assert not out.exists() and not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--images", "{tmp}/missing.png"], "missing.png does not exist"),
+        (["--images", "{tmp}"], "is a folder, not a file"),
+        (["--checkpoint", "{tmp}/file.txt"], "file.txt is a file, not a folder"),
+        (["--checkpoint", "{tmp}/nowhere"], "does not exist"),
+        (["--out", "{tmp}/file.txt"], "exists and is not a folder"),
+        (["--save-images", "{tmp}/file.txt/images"], "is a file, not a folder"),
+        (["--threads", "0"], "expected a positive integer"),
+        (["--max-patches-per-pack", "2"], "patch budget of at least 4"),
+        (["--seed", "-1"], "expected an integer >= 0"),
+        (["--dtype", "int8"], "unknown dtype"),
+    ],
+)
+def test_user_errors_are_one_usage_line_before_any_work(tmp_path, capsys, args, message):
+    (tmp_path / "file.txt").write_text("x")
+    line = cli_error(capsys, [a.format(tmp=tmp_path) for a in args], 2)
+    assert line.startswith("python -m moonvit: error:") and message in line
+
+
+def test_a_checkpoint_that_fails_to_load_is_one_error_line(tmp_path, capsys):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{broken")
+    line = cli_error(capsys, ["--checkpoint", str(tmp_path / "ckpt")], 1)
+    assert line.startswith("python -m moonvit: error:") and "config.json is not valid JSON" in line
+
+
+def test_images_scaled_to_fit_the_budget_are_flagged(tmp_path, capsys):
+    Image.new("RGB", (300, 200)).save(tmp_path / "big.png")
+    Image.new("RGB", (28, 28)).save(tmp_path / "small.png")
+    images = [str(tmp_path / "big.png"), str(tmp_path / "small.png")]
+    main(["--preset", "tiny", "--out", str(tmp_path / "out"), "--max-patches-per-pack", "64", "--images", *images])
+    assert "scaled down to fit --max-patches-per-pack" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())["images"]
+    assert [entry["rescaled"] for entry in summary] == [True, False]
+    assert summary[0]["grid_hw"][0] * summary[0]["grid_hw"][1] <= 64
+
+
+def test_an_image_the_processor_cannot_fit_is_one_error_line_naming_the_flag(tmp_path, capsys):
+    Image.new("RGB", (8000, 10)).save(tmp_path / "strip.png")  # 572 patches wide, never budget-scaled
+    args = ["--preset", "tiny", "--out", str(tmp_path / "out"), "--images", str(tmp_path / "strip.png")]
+    line = cli_error(capsys, args, 1)
+    assert line.startswith("python -m moonvit: error: input image 0: a 8000x10 image gives a 2x572 patch grid")
+    assert "--side-limit-mode resize" in line
+    main([*args, "--side-limit-mode", "resize"])
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["images"][0]["grid_hw"] == [2, 512]

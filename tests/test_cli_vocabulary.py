@@ -1,10 +1,19 @@
 """The command lines' shared vocabulary (moonvit.cli) and the atomic file writes (moonvit.files)."""
 
 import argparse
+import functools
+import importlib
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import eval.linear_probe as linear_probe
+import moonvit.__main__ as moonvit_main
+import projector.export as export
+from moonvit import CheckpointError, cli
 from moonvit.cli import add_dtype_argument, dtype_name, fraction, output_dir, positive_int, torch_dtype
 from moonvit.files import atomic_path, write_text_atomic
 
@@ -67,3 +76,188 @@ def test_atomic_writes_leave_the_old_file_on_failure(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
     write_text_atomic(target, "new")
     assert target.read_text() == "new"
+
+
+# ---- every command line ---------------------------------------------------------------------
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARK_SCRIPTS = ("bench_cpu", "bench_compile", "bench_export", "bench_probe", "bench_processor", "cuda_check")
+
+
+def benchmark_parser(name: str) -> argparse.ArgumentParser:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module(name).build_parser()
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+PARSERS = {
+    "python -m moonvit": moonvit_main.build_parser,
+    "projector.export": export.build_parser,
+    "eval.linear_probe": linear_probe.build_parser,
+    **{name: functools.partial(benchmark_parser, name) for name in BENCHMARK_SCRIPTS},
+}
+CHECKED_NUMBERS = {
+    cli.positive_int: ["0", "-3", "2.5", "x"],
+    cli.non_negative_int: ["-1", "1e3", "x"],
+    cli.patch_budget: ["3", "0", "-4"],
+    cli.positive_float: ["0", "-1e-3", "nan", "inf", "x"],
+    cli.non_negative_float: ["-0.5", "nan", "x"],
+    cli.fraction: ["0", "1", "1.5", "nan"],
+}
+
+
+def actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+
+
+@pytest.mark.parametrize("name", PARSERS)
+def test_every_flag_has_help_and_no_number_goes_unchecked(name):
+    for action in actions(PARSERS[name]()):
+        assert action.help and action.help.strip(), f"{name} {action.option_strings} has no help"
+        assert action.type not in (int, float), f"{name} {action.option_strings} takes an unchecked number"
+
+
+@pytest.mark.parametrize("name", PARSERS)
+def test_bad_numbers_end_in_one_usage_error_at_parse_time(name, capsys):
+    checked = [
+        (a, bad) for a in actions(PARSERS[name]()) if a.type in CHECKED_NUMBERS for bad in CHECKED_NUMBERS[a.type]
+    ]
+    assert checked or name in ("cuda_check",), f"{name} has no checked number flags"
+    for action, bad in checked:
+        with pytest.raises(SystemExit) as exit_info:
+            PARSERS[name]().parse_args([f"{action.option_strings[0]}={bad}"])
+        assert exit_info.value.code == 2
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"argument {action.option_strings[0]}" in error and bad in error, error
+
+
+def test_the_shared_flags_mean_the_same_everywhere(tmp_path):
+    """dtype spellings, device, budget, threads and seed: the same type, default and spelling."""
+    seen = 0
+    for name, build in PARSERS.items():
+        by_flag = {a.option_strings[0]: a for a in actions(build()) if a.option_strings}
+        if "--threads" in by_flag:
+            assert by_flag["--threads"].type is cli.positive_int and by_flag["--threads"].default is None, name
+            seen += 1
+        if "--max-patches-per-pack" in by_flag:
+            assert by_flag["--max-patches-per-pack"].type is cli.patch_budget, name
+        if "--seed" in by_flag:
+            assert by_flag["--seed"].type is cli.non_negative_int and by_flag["--seed"].default == 0, name
+        if "--device" in by_flag:
+            assert by_flag["--device"].type is cli.device_name, name
+        if "--checkpoint" in by_flag:
+            assert by_flag["--checkpoint"].type is cli.checkpoint_source, name
+        if "--dtype" in by_flag:
+            assert by_flag["--dtype"].type("bfloat16") == "bf16", name
+    assert seen == len(PARSERS) - 1  # all but the GPU check take --threads
+
+
+def test_cuda_without_cuda_is_refused_at_parse_time(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with_device = [
+        name for name, build in PARSERS.items() if any("--device" in a.option_strings for a in actions(build()))
+    ]
+    assert with_device == ["python -m moonvit", "projector.export", "eval.linear_probe", "cuda_check"]
+    for name in with_device:
+        for device in ("cuda", "cuda:1"):
+            with pytest.raises(SystemExit) as exit_info:
+                PARSERS[name]().parse_args(["--device", device])
+            assert exit_info.value.code == 2
+            assert "no usable CUDA device" in capsys.readouterr().err, name
+
+
+@pytest.mark.parametrize("name", PARSERS)
+def test_an_output_path_that_is_a_file_is_refused_at_parse_time(name, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    outputs = [a for a in actions(PARSERS[name]()) if a.type in (cli.output_dir, cli.output_file)]
+    for action in outputs:
+        for bad in (tmp_path / "file" / "below", tmp_path) if action.type is cli.output_file else (tmp_path / "file",):
+            with pytest.raises(SystemExit):
+                PARSERS[name]().parse_args([action.option_strings[0], str(bad)])
+            assert "folder" in capsys.readouterr().err
+
+
+def test_library_loaders_refuse_cuda_without_cuda(tmp_path, monkeypatch):
+    from helpers import make_checkpoint
+
+    from moonvit import MoonViT
+    from projector import MoonViTProjector
+
+    folder = make_checkpoint(tmp_path / "ckpt")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for load in (MoonViT.from_pretrained, MoonViTProjector.from_pretrained):
+        with pytest.raises(ValueError, match="no usable CUDA device"):
+            load(folder, device="cuda")
+    with pytest.raises(ValueError, match="unknown device 'gpu'"):
+        MoonViT.from_pretrained(folder, device="gpu")
+
+
+# ---- types -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "parse, good, value",
+    [
+        (cli.positive_int, "3", 3),
+        (cli.non_negative_int, "0", 0),
+        (cli.patch_budget, "4", 4),
+        (cli.positive_float, "1e-4", 1e-4),
+        (cli.non_negative_float, "0", 0.0),
+        (cli.fraction, "0.25", 0.25),
+    ],
+)
+def test_checked_numbers_accept_their_range(parse, good, value):
+    assert parse(good) == value
+    for bad in CHECKED_NUMBERS[parse]:
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(bad)
+
+
+def test_paths_are_checked_for_what_they_must_be(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(argparse.ArgumentTypeError, match="is a file, not a folder"):
+        cli.output_dir(str(tmp_path / "file" / "sub" / "deeper"))
+    with pytest.raises(argparse.ArgumentTypeError, match="is a folder, not a file"):
+        cli.existing_file(str(tmp_path))
+    with pytest.raises(argparse.ArgumentTypeError, match="does not exist"):
+        cli.existing_path(str(tmp_path / "missing"))
+    with pytest.raises(argparse.ArgumentTypeError, match="is a file, not a folder"):
+        cli.existing_folder(str(tmp_path / "file"))
+    assert cli.output_file(str(tmp_path / "new" / "out.md")) == tmp_path / "new" / "out.md"
+
+
+def test_checkpoint_sources_are_folders_or_hub_ids(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert cli.checkpoint_source(str(tmp_path)) == str(tmp_path)
+    assert cli.checkpoint_source("moonshotai/Kimi-VL-A3B-Instruct") == "moonshotai/Kimi-VL-A3B-Instruct"
+    with pytest.raises(argparse.ArgumentTypeError, match="is a file, not a folder: pass the checkpoint folder"):
+        cli.checkpoint_source(str(tmp_path / "model.safetensors"))
+    for missing in (str(tmp_path / "nope"), "nope", "a/b/c", "./x/y"):
+        with pytest.raises(argparse.ArgumentTypeError, match="does not exist"):
+            cli.checkpoint_source(missing)
+
+
+def test_warnings_print_as_one_line_without_source():
+    script = (
+        "import warnings\n"
+        "from moonvit import cli\n"
+        "with cli.one_line_warnings():\n"
+        "    warnings.warn('selected lr=1 is at the edge')\n"
+        "warnings.warn('after')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    lines = result.stderr.splitlines()
+    assert lines[0] == "warning: selected lr=1 is at the edge"
+    assert "UserWarning: after" in lines[1]  # the format is restored afterwards
+
+
+def test_user_errors_end_in_one_line_and_status_1(capsys):
+    parser = argparse.ArgumentParser(prog="prog")
+    with pytest.raises(SystemExit) as exit_info, cli.exit_on(parser, KeyError):
+        raise CheckpointError("checkpoint folder x does not exist")
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err == "prog: error: checkpoint folder x does not exist\n"
+    with pytest.raises(ZeroDivisionError), cli.exit_on(parser):  # bugs still show their traceback
+        raise ZeroDivisionError

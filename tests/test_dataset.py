@@ -12,7 +12,7 @@ from helpers import make_checkpoint, run_export, write_images
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from projector.dataset import VisualTokenDataset
+from projector.dataset import VisualTokenDataset, collate_visual_tokens
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +103,39 @@ def test_an_unfinished_export_folder_is_refused(tmp_path):
     (tmp_path / "run.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="has no manifest.jsonl: not a finished projector.export folder"):
         VisualTokenDataset(tmp_path)
+
+
+# ---- batches ---------------------------------------------------------------------------------
+
+
+def test_collate_packs_variable_length_token_sets_with_their_counts(export_folder):
+    dataset = VisualTokenDataset(export_folder)
+    expected = expected_items(export_folder)
+    loader = DataLoader(dataset, batch_size=3, collate_fn=collate_visual_tokens)
+    seen = 0
+    for batch in loader:
+        items = expected[seen : seen + 3]
+        seen += len(items)
+        assert batch["ids"] == [item["id"] for item in items]
+        assert batch["grid_hws"].tolist() == [list(item["grid_hw"]) for item in items]
+        assert batch["num_tokens"].tolist() == [len(item["merged"]) for item in items]
+        assert len({len(item["merged"]) for item in items}) > 1 or len(items) == 1  # the lengths do vary
+        for kind in ("merged", "projected"):
+            assert batch[kind].shape[0] == batch["num_tokens"].sum()
+            for part, item in zip(batch[kind].split(batch["num_tokens"].tolist()), items):
+                torch.testing.assert_close(part, item[kind], rtol=0, atol=0)
+    assert seen == len(dataset) == 7  # the last batch is short
+
+
+def test_collate_refuses_what_it_cannot_pack(export_folder):
+    dataset = VisualTokenDataset(export_folder)
+    merged_only = VisualTokenDataset(export_folder, kinds=["merged"])
+    with pytest.raises(ValueError, match="no items"):
+        collate_visual_tokens([])
+    with pytest.raises(ValueError, match=r"holds \['merged'\], the batch's first item \['merged', 'projected'\]"):
+        collate_visual_tokens([dataset[0], merged_only[1]])
+    other = {**dataset[1], "merged": dataset[1]["merged"][..., :8]}
+    with pytest.raises(ValueError, match="merged tokens differ in"):
+        collate_visual_tokens([dataset[0], other])
+    with pytest.raises(ValueError, match="hold no tokens"):
+        collate_visual_tokens([VisualTokenDataset(export_folder, kinds=[])[0]])

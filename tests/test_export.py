@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import make_checkpoint, run_export, write_images
@@ -117,14 +119,25 @@ def test_default_export_stores_bf16_projected_tokens(tmp_path, checkpoint):
         assert shard.get_tensor("projected").dtype == torch.bfloat16
 
 
-def test_merged_only_needs_no_projector(tmp_path):
+def export_error(capsys, *args: str | Path, status: int = 1, threads: int = 1) -> str:
+    """Run an export that must fail: its last stderr line (no traceback)."""
+    with pytest.raises(SystemExit) as exit_info:
+        run_export(*args, threads=threads)
+    assert exit_info.value.code == status
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_merged_only_needs_no_projector(tmp_path, capsys):
     checkpoint = make_checkpoint(tmp_path / "ckpt", projector=False)
     write_images(tmp_path / "images", 2)
     common = ["--inputs", tmp_path / "images", "--checkpoint", checkpoint]
     run_export(*common, "--out", tmp_path / "merged", "--store", "merged")
     assert set(tokens_by_id(tmp_path / "merged")["img001.png"]) == {"id", "grid_hw", "merged"}
-    with pytest.raises(SystemExit, match="--store merged"):
-        run_export(*common, "--out", tmp_path / "projected")
+    assert export_error(capsys, *common, "--out", tmp_path / "projected").endswith(
+        "(use --store merged to export without a projector)"
+    )
 
 
 # ---- inputs ----------------------------------------------------------------------------------
@@ -178,6 +191,83 @@ def test_bad_files_are_listed_with_reasons_and_the_rest_exported(tmp_path, check
     assert "cannot open image file" in reasons["empty.jpg"] and "cannot open image file" in reasons["notes.png"]
     assert "truncated" in reasons["truncated.png"]
     assert all(str(images / name) in reason for name, reason in reasons.items())
+    assert summary["skipped"] == {".txt": 1}
+
+
+@pytest.mark.parametrize(
+    "files, message",
+    [
+        ({}, r"names no images$"),
+        (
+            {"a.txt": "x", "b.txt": "x", "c.json": "{}", "noext": "x", "sub/d.heic": "x"},
+            r"names no images: 5 files skipped for their extension \(\.txt 2, \(none\) 1, \.heic 1, \.json 1\); "
+            r"image extensions are \.bmp .*\.webp$",
+        ),
+    ],
+)
+def test_an_input_folder_without_images_is_an_error(tmp_path, checkpoint, capsys, files, message):
+    (tmp_path / "in").mkdir()
+    for name, text in files.items():
+        (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "in" / name).write_text(text)
+    line = export_error(capsys, "--inputs", tmp_path / "in", "--checkpoint", checkpoint, "--out", tmp_path / "out")
+    assert re.search(message, line), line
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_empty_list_is_an_error(tmp_path, checkpoint, capsys):
+    (tmp_path / "list.txt").write_text("\n\n")
+    line = export_error(
+        capsys, "--inputs", tmp_path / "list.txt", "--checkpoint", checkpoint, "--out", tmp_path / "out"
+    )
+    assert line.endswith("list.txt names no images")
+
+
+def test_skipped_files_are_reported_beside_the_images(tmp_path, checkpoint, capsys):
+    write_images(tmp_path / "in", 2)
+    (tmp_path / "in" / "labels.csv").write_text("a,b\n")
+    (tmp_path / "in" / "scan.heic").write_bytes(b"x")
+    summary = run_export("--inputs", tmp_path / "in", "--checkpoint", checkpoint, "--out", tmp_path / "out")
+    assert summary["images"] == 2 and summary["skipped"] == {".csv": 1, ".heic": 1}
+    assert "2 files skipped for their extension (.csv 1, .heic 1)" in capsys.readouterr().out
+
+
+def test_inputs_none_of_which_can_be_exported_are_an_error(tmp_path, checkpoint, capsys):
+    (tmp_path / "in").mkdir()
+    for name in ("a.png", "b.jpg"):
+        (tmp_path / "in" / name).write_text("not an image")
+    args = ["--inputs", tmp_path / "in", "--checkpoint", checkpoint]
+    line = export_error(capsys, *args, "--out", tmp_path / "out")
+    assert "none of the 2 inputs can be exported: cannot open image file" in line
+    # Headers that plan but pixels that do not decode: the run ends, and says nothing was exported.
+    (tmp_path / "half").mkdir()
+    noise = np.random.default_rng(0).integers(0, 256, (40, 60, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(tmp_path / "half" / "cut.png")
+    whole = (tmp_path / "half" / "cut.png").read_bytes()
+    (tmp_path / "half" / "cut.png").write_bytes(whole[: len(whole) // 2])
+    line = export_error(capsys, "--inputs", tmp_path / "half", "--checkpoint", checkpoint, "--out", tmp_path / "o2")
+    assert line.endswith(f"no image could be exported: the reasons are in {tmp_path / 'o2' / 'failures.jsonl'}")
+    assert len(failures(tmp_path / "o2")) == 1
+
+
+def test_a_budget_below_one_token_is_refused_at_parse_time(tmp_path, checkpoint, capsys):
+    write_images(tmp_path / "in", 1)
+    args = ["--inputs", tmp_path / "in", "--checkpoint", checkpoint, "--out", tmp_path / "out"]
+    line = export_error(capsys, *args, "--max-patches-per-pack", "3", status=2)
+    assert "expected a patch budget of at least 4" in line
+
+
+def test_side_limit_mode_is_a_flag(tmp_path, checkpoint, capsys):
+    (tmp_path / "in").mkdir()
+    Image.new("RGB", (8000, 10)).save(tmp_path / "in" / "strip.png")  # 0 patches tall: never budget-scaled
+    args = ["--inputs", tmp_path / "in", "--checkpoint", checkpoint]
+    line = export_error(capsys, *args, "--out", tmp_path / "refused")
+    assert "2x572 patch grid" in line and "--side-limit-mode resize" in line
+    run_export(*args, "--out", tmp_path / "resized", "--side-limit-mode", "resize")
+    (entry,) = manifest(tmp_path / "resized")
+    assert entry["grid_hw"] == [2, 512] and entry["resized"] == [7168, 8]
+    run = json.loads((tmp_path / "resized" / "run.json").read_text())
+    assert run["arguments"]["side_limit_mode"] == run["processor"]["side_limit_mode"] == "resize"
 
 
 def test_split_balanced_gives_contiguous_ranges_of_about_equal_cost():
@@ -201,14 +291,36 @@ def test_rerunning_a_finished_export_changes_nothing(tmp_path, checkpoint):
     assert summary["images"] == 5 and summary["images_this_run"] == 0
 
 
-def test_other_arguments_into_the_same_folder_are_refused(tmp_path, checkpoint):
+def test_other_arguments_into_the_same_folder_are_refused_naming_each_difference(tmp_path, checkpoint, capsys):
     write_images(tmp_path / "images", 2)
     args = ["--inputs", tmp_path / "images", "--checkpoint", checkpoint, "--out", tmp_path / "out"]
     run_export(*args)
-    with pytest.raises(SystemExit, match=r"holds an export with other settings \(differing in arguments, dtype"):
-        run_export(*args, "--dtype", "fp32")
-    with pytest.raises(SystemExit, match="differing in arguments"):
-        run_export(*args, "--shard-size", "7")
+    before = folder_bytes(tmp_path / "out")
+    line = export_error(capsys, *args, "--dtype", "fp32")
+    assert (
+        "holds an export with other settings (arguments.dtype: 'bf16' there, 'fp32' now; dtype: 'bf16' there, " in line
+    )
+    assert "use the same arguments to resume, or another --out" in line
+    line = export_error(capsys, *args, "--shard-size", "7")
+    assert "(arguments.shard_size: 1000 there, 7 now; from " in line
+    line = export_error(capsys, *args, "--side-limit-mode", "resize")
+    assert "arguments.side_limit_mode: None there, 'resize' now; processor.side_limit_mode: 'error' there" in line
+    line = export_error(capsys, *args[:-1], tmp_path / "out", threads=2)
+    assert "compute.threads: 1 there, 2 now" in line
+    assert folder_bytes(tmp_path / "out") == before
+
+
+def test_run_json_records_what_the_bytes_depend_on(tmp_path, checkpoint):
+    write_images(tmp_path / "images", 1)
+    run_export("--inputs", tmp_path / "images", "--checkpoint", checkpoint, "--out", tmp_path / "out", threads=2)
+    run = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert run["compute"] == {
+        "threads": 2,
+        "torch": torch.__version__,
+        "device_type": "cpu",
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+    assert run["arguments"]["threads"] == 2 and run["checkpoint"]["path"] == str(checkpoint.resolve())
 
 
 @pytest.mark.slow

@@ -132,7 +132,8 @@ def test_cli_probes_a_checkpoint_folder(tmp_path):
         (["--preset", "tiny", "--dataset", "digits"], "--random-init"),
         (["--preset", "tiny", "--random-init", "--dataset", "cifar"], "unknown --dataset 'cifar'"),
         (["--dataset", "digits"], "needs an encoder"),
-        (["--checkpoint", "/nonexistent", "--dataset", "digits"], "cannot load --checkpoint"),
+        (["--checkpoint", "/nonexistent", "--dataset", "digits"], "argument --checkpoint: /nonexistent does not exist"),
+        (["--preset", "tiny", "--random-init", "--dataset", "digits", "--val-fraction", "1"], "a fraction in (0, 1)"),
         (
             ["--preset", "tiny", "--random-init", "--dataset", "fashion-mnist", "--data-dir", "/nonexistent"],
             "does not exist",

@@ -70,7 +70,7 @@ def test_budget_errors():
 
 
 def test_bad_input_error_gives_its_position():
-    images = [gray(28, 28), gray(28, 28), np.zeros((28, 28), np.float32)]
+    images = [gray(28, 28), gray(28, 28), np.zeros((28, 28), np.int32)]
     with pytest.raises(ImageLoadError, match="input image 2: numpy images must be uint8"):
         list(pack_images(images, MoonViTImageProcessor()))
     with pytest.raises(ValueError, match="input image 1: a 8000x14 image .* position table"):
@@ -116,7 +116,8 @@ def test_encoder_never_sees_more_than_the_budget(encoder, monkeypatch):
 
     monkeypatch.setattr(encoder, "forward", spy)
     images = [noise(*SIZES[i % len(SIZES)], seed=i) for i in range(60)] + [noise(300, 200, 60)]
-    tokens = encode_images(encoder, MoonViTImageProcessor(), images, max_patches_per_pack=100)
+    with pytest.warns(UserWarning, match=r"1 of 61 images were scaled down .* \(inputs 60\)"):
+        tokens = encode_images(encoder, MoonViTImageProcessor(), images, max_patches_per_pack=100)
     assert len(tokens) == 61
     assert max(seen) <= 100
     assert sum(seen) == sum(4 * t.shape[0] for t in tokens)
@@ -138,7 +139,8 @@ def test_encode_images_equals_encoding_each_image_alone(encoder, tmp_path):
         assert [rows, cols] == batch.grid_hws[0].tolist()
         assert result.tokens.shape == (rows * cols // 4, 4, encoder.config.hidden_size)
         torch.testing.assert_close(result.tokens, alone, rtol=1e-5, atol=1e-5)
-    listed = encode_images(encoder, processor, images, max_patches_per_pack=100)
+    with pytest.warns(UserWarning, match=r"\(inputs 2\)"):
+        listed = encode_images(encoder, processor, images, max_patches_per_pack=100)
     assert all(torch.equal(a, r.tokens) for a, r in zip(listed, results))
 
 
@@ -161,3 +163,27 @@ def test_a_single_path_is_one_image(encoder, tmp_path):
     path = tmp_path / "one.png"
     Image.fromarray(noise(20, 20, 0)).save(path)
     assert len(encode_images(encoder, MoonViTImageProcessor(), str(path))) == 1
+
+
+def test_encode_images_flags_each_image_scaled_to_fit_and_warns_once(encoder):
+    processor = MoonViTImageProcessor()
+    images = [gray(28, 28), noise(300, 200, 1), gray(56, 28), noise(400, 400, 2)]
+    with pytest.warns(UserWarning) as caught:
+        result = encode_images(encoder, processor, images, max_patches_per_pack=64)
+    assert len(caught) == 1
+    assert "2 of 4 images were scaled down to fit max_patches_per_pack=64 (inputs 1, 3)" in str(caught[0].message)
+    assert result.rescaled == [False, True, False, True]
+    for tokens, grid, image in zip(result, result.grid_hws, images):
+        own = processor.plan_image(image.shape[1], image.shape[0]).grid_hw  # the processor alone
+        assert len(tokens) == grid[0] * grid[1] // 4 and grid[0] * grid[1] <= 64
+        assert (grid != own) == (own[0] * own[1] > 64)
+    assert isinstance(result, list) and all(isinstance(t, torch.Tensor) for t in result)
+
+
+def test_encode_images_is_silent_when_nothing_is_scaled(encoder):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = encode_images(encoder, MoonViTImageProcessor(), [gray(300, 200)], max_patches_per_pack=4096)
+    assert result.rescaled == [False] and result.grid_hws == [(16, 22)]

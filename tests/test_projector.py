@@ -11,7 +11,6 @@ from helpers import SafeOpenSpy, random_pack, randomize_, tiny_model, write_kimi
 from safetensors.torch import load_file, save_file
 
 import moonvit.weights.checkpoint as moonvit_checkpoint
-import projector.model as projector_model
 from moonvit import CheckpointError, MoonViT
 from projector import MoonViTProjector, ProjectorConfig
 
@@ -225,7 +224,7 @@ def test_kimi_vl_sharded_reads_only_projector_tensors(tmp_path, monkeypatch):
     # Shard 1: vision + the embedding table; shard 2: vision; shard 3: lm_head + projector.
     other = LM_TENSORS | kimi_vl_tensors(projector)
     write_kimi_vl_folder(tmp_path, tiny_model(), text_hidden_size=TEXT, other_tensors=other, sharded=True)
-    spy = SafeOpenSpy(monkeypatch, projector_model, moonvit_checkpoint)
+    spy = SafeOpenSpy(monkeypatch, moonvit_checkpoint)
     loaded = MoonViTProjector.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert spy.opened == {"model-00003-of-00003.safetensors"}
     assert spy.read == set(kimi_vl_tensors(projector))
@@ -277,7 +276,7 @@ def broken_kimi_vl(tmp_path, edit):
 
 def test_missing_tensor_is_named(tmp_path):
     folder = broken_kimi_vl(tmp_path, lambda t: t.pop("multi_modal_projector.linear_2.bias"))
-    with pytest.raises(CheckpointError, match=r"missing \['multi_modal_projector.linear_2.bias'\], unexpected \[\]"):
+    with pytest.raises(CheckpointError, match=r"missing \['multi_modal_projector.linear_2.bias'\]$"):
         MoonViTProjector.from_pretrained(folder)
 
 

@@ -7,9 +7,18 @@ to 4 frames (Kimi-K2.5), :mod:`.packing` plans packs of whole images and chunks
 under a patch budget from their sizes alone.
 """
 
-from .image import IMAGE_EXTENSIONS, ImageInput, ImageLoadError, ImageTooLargeError, image_size, is_image, load_image
+from .image import (
+    IMAGE_EXTENSIONS,
+    ImageInput,
+    ImageLoadError,
+    ImageTooLargeError,
+    image_size,
+    image_sources,
+    is_image,
+    load_image,
+)
 from .packing import DEFAULT_MAX_PATCHES_PER_PACK, Pack, PackItem, group_into_packs, pack_images, plan_pack_item
-from .processor import ImageBatch, ImagePlan, MoonViTImageProcessor, patchify, unpatchify
+from .processor import ImageBatch, ImagePlan, ImageSizeError, MoonViTImageProcessor, patchify, unpatchify
 from .video import VIDEO_EXTENSIONS, MoonViTVideoProcessor, VideoBatch, VideoFrames, VideoLoadError, is_video
 
 __all__ = [
@@ -19,6 +28,7 @@ __all__ = [
     "ImageInput",
     "ImageLoadError",
     "ImagePlan",
+    "ImageSizeError",
     "ImageTooLargeError",
     "VIDEO_EXTENSIONS",
     "VideoBatch",
@@ -30,6 +40,7 @@ __all__ = [
     "PackItem",
     "group_into_packs",
     "image_size",
+    "image_sources",
     "is_image",
     "is_video",
     "load_image",

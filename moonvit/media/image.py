@@ -9,7 +9,9 @@ only), so that packs can be planned before any image is decoded;
 from __future__ import annotations
 
 import os
-from typing import Literal
+import warnings
+from collections.abc import Iterable
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -22,22 +24,29 @@ __all__ = [
     "ImageLoadError",
     "ImageTooLargeError",
     "image_size",
+    "image_sources",
     "is_image",
     "load_image",
 ]
 
-IMAGE_EXTENSIONS = frozenset({".bmp", ".gif", ".jpeg", ".jpg", ".png", ".ppm", ".tif", ".tiff", ".webp"})
+IMAGE_EXTENSIONS = frozenset(
+    {".bmp", ".gif", ".jpeg", ".jpg", ".pbm", ".pgm", ".png", ".pnm", ".ppm", ".tif", ".tiff", ".webp"}
+)
 """File endings taken as images wherever a folder is scanned (export inputs, ImageFolder datasets)."""
 
 ImageInput = Image.Image | np.ndarray | torch.Tensor | str | os.PathLike
-"""One image: a PIL image, an (H, W) / (H, W, C) uint8 array, a (C, H, W) / (H, W) tensor
-(uint8 0-255 or floating 0-1), or a file path; C is 1, 3 or 4 (4 = RGBA)."""
+"""One image: a PIL image, an (H, W) / (H, W, C) array, a (C, H, W) / (H, W) tensor (arrays and
+tensors uint8 0-255 or floating 0-1), or a file path; C is 1, 3 or 4 (4 = RGBA)."""
 
 AlphaMode = Literal["composite", "drop"]
 Size = tuple[int, int]
 
 _ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
 _16BIT_MODES = frozenset({"I;16", "I;16B", "I;16L", "I;16N"})
+_WIDE_MODES = _16BIT_MODES | {"I", "F"}  # single-band modes whose values are not 0-255
+# TIFF tags: BitsPerSample, SampleFormat (1 unsigned, 2 signed, 3 float), S{Min,Max}SampleValue
+_TIFF_BITS, _TIFF_FORMAT, _TIFF_MIN, _TIFF_MAX = 258, 339, 340, 341
+_SAMPLE_FORMATS = {1: "unsigned", 2: "signed", 3: "float"}
 _TRANSPOSE = {
     2: Image.Transpose.FLIP_LEFT_RIGHT,
     3: Image.Transpose.ROTATE_180,
@@ -54,21 +63,42 @@ class ImageLoadError(ValueError):
 
     Raised for a missing, unreadable, truncated or undecodable file (the message names it), a
     refused decompression bomb (:class:`ImageTooLargeError`), a zero-sized image, an array or
-    tensor of the wrong dtype, shape or value range, and a Pillow mode with no RGB conversion.
-    Catch it to skip bad inputs.
+    tensor of the wrong dtype, shape or value range, and a Pillow mode with no RGB conversion or
+    no known value range (the message names the mode). Catch it to skip bad inputs.
     """
 
 
 class ImageTooLargeError(ImageLoadError):
-    """A file has more pixels than ``PIL.Image.MAX_IMAGE_PIXELS`` (Pillow's decompression-bomb limit)."""
+    """A file has more pixels than ``PIL.Image.MAX_IMAGE_PIXELS`` (Pillow's decompression-bomb limit).
+
+    Raise the limit (``PIL.Image.MAX_IMAGE_PIXELS = n``, or None for none) to accept such files.
+    """
 
 
 # ---- loading ---------------------------------------------------------------------------------
 
 
+def image_sources(images: ImageInput | Iterable[ImageInput]) -> Iterable[ImageInput]:
+    """The images of ``images``: one image, or any iterable of them (list, generator, dataset with
+    ``__getitem__``, 4-D batch), not consumed. Anything else is taken as one input, for the loader
+    to name its type."""
+    if is_image(images) or isinstance(images, (bytes, bytearray)):
+        return [images]  # type: ignore[list-item]
+    try:
+        iter(images)  # type: ignore[arg-type]
+    except TypeError:
+        return [images]  # type: ignore[list-item]
+    return images  # type: ignore[return-value]
+
+
 def is_image(obj: object) -> bool:
-    """Whether ``obj`` is one image input rather than a collection of them."""
-    return isinstance(obj, (Image.Image, np.ndarray, torch.Tensor, str, os.PathLike))
+    """Whether ``obj`` is one image input rather than a collection of them.
+
+    A 4-D array or tensor is a batch, (N, H, W, C) or (N, C, H, W): a collection of N images.
+    """
+    if isinstance(obj, (np.ndarray, torch.Tensor)):
+        return obj.ndim <= 3
+    return isinstance(obj, (Image.Image, str, os.PathLike))
 
 
 def image_size(source: ImageInput) -> Size:
@@ -110,12 +140,21 @@ def load_image(
           RGB images with a tRNS chunk have): ``alpha_mode="composite"`` alpha-composites the
           image over an opaque ``background_color``; ``"drop"`` discards alpha as Kimi-VL's
           ``image.convert("RGB")`` does, which shows whatever colour transparent pixels store.
-        - 16-bit modes (``I;16*``) map 0-65535 onto 0-255 with rounding (Pillow's own
-          conversion clips at 255); every other mode (1, L, P, CMYK, YCbCr, I, F, ...) uses
-          Pillow's ``convert("RGB")``, without colour management.
+        - Every mode is mapped from its real value range onto 0-255 (Pillow's own conversion
+          clips I, I;16 and F at 255, which turns them white or black):
+            - ``I;16*`` (unsigned 16-bit): 0-65535, rounded;
+            - ``I`` (32-bit integer): the range its file declares: a TIFF's
+              ``SMinSampleValue`` / ``SMaxSampleValue``, else its sample type (BitsPerSample,
+              SampleFormat: signed 16-bit -32768-32767, ...); 16-bit PGM / PPM: 0-65535;
+            - ``F`` (32-bit float): a TIFF's ``SMinSampleValue`` / ``SMaxSampleValue``, else
+              [0, 1] (values outside it, NaN or infinity are refused);
+            - an ``I`` image without a declared range (made in memory, other formats) is refused;
+            - ``La`` (premultiplied alpha) is converted to ``LA`` first;
+            - every other mode (1, L, P, RGB, RGBX, CMYK, YCbCr, LAB, HSV, ...) through Pillow's
+              ``convert("RGB")``, without colour management.
         - Multi-frame files give their first frame.
-        - Tensors: uint8 is taken as is; floating values must lie in [0, 1] and are quantised as
-          ``round(x * 255)``, since resizing is defined on uint8 pixels.
+        - Arrays and tensors: uint8 is taken as is; floating values must lie in [0, 1] and are
+          quantised as ``round(x * 255)`` (in float32), since resizing is defined on uint8 pixels.
 
     Raises:
         ImageLoadError: the input cannot be an image (see :class:`ImageLoadError`).
@@ -132,40 +171,51 @@ def load_image(
     if isinstance(source, Image.Image):
         image = source
     elif isinstance(source, np.ndarray):
-        image = _array_to_pil(source)
+        image = _array_to_pil(source, "numpy images")
     elif isinstance(source, torch.Tensor):
-        image = _array_to_pil(_tensor_to_array(source))
+        image = _array_to_pil(_tensor_to_array(source), "image tensors")
     else:
         raise _unsupported(source)
     try:
         return _decode(image, alpha_mode, background_color)
-    except OSError as error:
-        raise ImageLoadError(f"cannot decode PIL image {getattr(image, 'filename', '')!r}: {error}") from error
+    except (OSError, ValueError) as error:
+        name = getattr(image, "filename", "") or "in memory"
+        raise ImageLoadError(f"cannot decode PIL image ({name}): {error}") from error
 
 
 def _unsupported(source: object) -> ImageLoadError:
     return ImageLoadError(
-        f"unsupported image type {type(source).__name__}; expected a PIL image, a uint8 numpy "
-        "array, a tensor or a file path"
+        f"unsupported image type {type(source).__name__}; expected a PIL image, a numpy array, a tensor or a file path"
     )
 
 
 def _open_file(path: str) -> Image.Image:
-    """Open ``path`` lazily (header only), refusing images over Pillow's pixel limit."""
+    """Open ``path`` lazily (header only), refusing images over Pillow's pixel limit.
+
+    Pillow warns (``DecompressionBombWarning``) between one and two times its limit and raises
+    above; both become the one :class:`ImageTooLargeError`, so no warning is printed on top.
+    """
     try:
-        image = Image.open(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(path)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
-        raise ImageTooLargeError(f"refusing image file {path!r}: {error}") from error
+        raise _too_large(path, str(error)) from None
     except OSError as error:  # missing, unreadable, or not an image (UnidentifiedImageError)
         raise ImageLoadError(f"cannot open image file {path!r}: {error}") from error
     limit = Image.MAX_IMAGE_PIXELS
     if limit is not None and image.width * image.height > limit:
         image.close()
-        raise ImageTooLargeError(
-            f"refusing image file {path!r}: {image.width}x{image.height} = {image.width * image.height} "
-            f"pixels exceeds PIL.Image.MAX_IMAGE_PIXELS = {limit} (decompression-bomb guard)"
-        )
+        raise _too_large(path, f"{image.width}x{image.height} = {image.width * image.height} pixels")
     return image
+
+
+def _too_large(path: str, size: str) -> ImageTooLargeError:
+    return ImageTooLargeError(
+        f"refusing image file {path!r}: {size}, over PIL.Image.MAX_IMAGE_PIXELS = {Image.MAX_IMAGE_PIXELS} "
+        "(Pillow's decompression-bomb guard); to accept it, raise the limit first: "
+        "PIL.Image.MAX_IMAGE_PIXELS = <pixels> (None for no limit)"
+    )
 
 
 def _orientation(image: Image.Image) -> int:
@@ -195,8 +245,10 @@ def _decode(image: Image.Image, alpha_mode: AlphaMode, background: tuple[int, in
 
 
 def _to_rgb(image: Image.Image, alpha_mode: AlphaMode, background: tuple[int, int, int]) -> Image.Image:
-    if image.mode in _16BIT_MODES:
-        image = _16bit_to_8bit(image)
+    if image.mode in _WIDE_MODES:
+        image = _to_8bit(image)
+    elif image.mode == "La":  # Pillow converts La to LA only
+        image = image.convert("LA")
     try:
         if alpha_mode == "composite" and (image.mode in _ALPHA_MODES or "transparency" in image.info):
             canvas = Image.new("RGBA", image.size, (*background, 255))
@@ -207,21 +259,79 @@ def _to_rgb(image: Image.Image, alpha_mode: AlphaMode, background: tuple[int, in
         raise ImageLoadError(f"cannot convert Pillow mode {image.mode!r} to RGB: {error}") from error
 
 
-def _16bit_to_8bit(image: Image.Image) -> Image.Image:
-    values = np.asarray(image).astype(np.int64)
-    return Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8))
+def _to_8bit(image: Image.Image) -> Image.Image:
+    """A single-band ``I;16*``, ``I`` or ``F`` image as mode L, its value range mapped onto 0-255."""
+    values = np.asarray(image)
+    tags = getattr(image, "tag_v2", None) if image.format == "TIFF" else None
+    if image.mode == "I" and tags is not None and _tiff_sample_type(tags) == ("unsigned", 32):
+        values = values.view(np.uint32)  # Pillow keeps unsigned 32-bit samples' bits in its int32 mode
+    values = values.astype(np.float64)
+    low, high = _value_range(image, values, tags)
+    scaled = np.floor((np.clip(values, low, high) - low) * (255 / (high - low)) + 0.5)
+    return Image.fromarray(scaled.astype(np.uint8))
+
+
+def _tiff_sample_type(tags: Any) -> tuple[str, int]:
+    """("unsigned" / "signed" / "float", bits) of a TIFF's samples."""
+    kind = _SAMPLE_FORMATS.get(int(np.max(tags.get(_TIFF_FORMAT, 1))), "unsigned")
+    return kind, int(np.max(tags.get(_TIFF_BITS, 8)))
+
+
+def _value_range(image: Image.Image, values: np.ndarray, tags: Any) -> tuple[float, float]:
+    """The (low, high) that black and white stand for in a single-band ``I;16*``, ``I`` or ``F``
+    image (``tags``: its TIFF tags, or None).
+
+    Raises:
+        ImageLoadError: the image declares no range and its values do not show one (see
+            :func:`load_image`).
+    """
+    if image.mode in _16BIT_MODES:
+        return 0.0, 65535.0
+    if tags is not None and _TIFF_MIN in tags and _TIFF_MAX in tags:
+        low, high = (float(np.max(tags[tag])) for tag in (_TIFF_MIN, _TIFF_MAX))
+        if high > low:
+            return low, high
+    if image.mode == "I":
+        if image.format == "PPM":  # Pillow scales 16-bit PGM / PPM samples to 0-65535
+            return 0.0, 65535.0
+        if tags is not None:
+            kind, bits = _tiff_sample_type(tags)
+            if kind == "signed":
+                return -(2.0 ** (bits - 1)), 2.0 ** (bits - 1) - 1
+            return 0.0, 2.0**bits - 1
+        raise ImageLoadError(
+            "Pillow mode 'I' (32-bit integer pixels) with no declared value range: convert it to 'L' or "
+            "'I;16' with the range you mean, or pass a uint8 array"
+        )
+    if not np.isfinite(values).all() or values.min() < 0 or values.max() > 1:
+        raise ImageLoadError(
+            f"Pillow mode 'F' (float pixels) with values in [{values.min()}, {values.max()}]: float images "
+            "are read as 0-1; scale it to [0, 1] or convert it to 'L' with the range you mean"
+        )
+    return 0.0, 1.0
 
 
 def _check_array(array: np.ndarray) -> Size:
-    if array.dtype != np.uint8:
-        raise ImageLoadError(f"numpy images must be uint8 (0-255), got dtype {array.dtype}")
+    if array.dtype != np.uint8 and not np.issubdtype(array.dtype, np.floating):
+        raise ImageLoadError(f"numpy images must be uint8 (0-255) or floating (0-1), got dtype {array.dtype}")
     if not (array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (1, 3, 4))):
-        raise ImageLoadError(f"numpy images must be (H, W) or (H, W, C) with C in (1, 3, 4), got shape {array.shape}")
+        raise ImageLoadError(
+            f"numpy images must be (H, W) or (H, W, C) with C in (1, 3, 4) (or a list / (N, H, W, C) batch of "
+            f"them), got shape {array.shape}"
+        )
     return array.shape[1], array.shape[0]
 
 
-def _array_to_pil(array: np.ndarray) -> Image.Image:
+def _array_to_pil(array: np.ndarray, what: str) -> Image.Image:
+    """(H, W) or (H, W, C) uint8 or floating 0-1 array -> mode L, RGB or RGBA image."""
     _check_nonempty(_check_array(array))
+    if array.dtype != np.uint8:
+        values = array.astype(np.float32)
+        if not bool(np.isfinite(values).all()) or values.min() < 0 or values.max() > 1:
+            raise ImageLoadError(
+                f"floating {what} must hold values in [0, 1], got values in [{values.min()}, {values.max()}]"
+            )
+        array = np.rint(values * np.float32(255)).astype(np.uint8)
     if array.ndim == 3 and array.shape[2] == 1:
         array = array[:, :, 0]
     return Image.fromarray(np.ascontiguousarray(array))  # mode L, RGB or RGBA from the shape
@@ -232,23 +342,18 @@ def _check_tensor(tensor: torch.Tensor) -> Size:
         raise ImageLoadError(f"image tensors must be uint8 (0-255) or floating (0-1), got {tensor.dtype}")
     if not (tensor.ndim == 2 or (tensor.ndim == 3 and tensor.shape[0] in (1, 3, 4))):
         raise ImageLoadError(
-            f"image tensors must be (H, W) or (C, H, W) with C in (1, 3, 4), got shape {tuple(tensor.shape)}"
+            f"image tensors must be (H, W) or (C, H, W) with C in (1, 3, 4) (or a list / (N, C, H, W) batch of "
+            f"them), got shape {tuple(tensor.shape)}"
         )
     return tensor.shape[-1], tensor.shape[-2]
 
 
 def _tensor_to_array(tensor: torch.Tensor) -> np.ndarray:
-    """(C, H, W) or (H, W) uint8 / float tensor -> (H, W, C) or (H, W) uint8 array."""
+    """(C, H, W) or (H, W) uint8 / floating tensor -> (H, W, C) or (H, W) uint8 / float32 array."""
     _check_tensor(tensor)
     pixels = tensor.detach().cpu()
     if pixels.is_floating_point():
         pixels = pixels.float()
-        if not bool(((pixels >= 0) & (pixels <= 1)).all()):
-            raise ImageLoadError(
-                "floating image tensors must hold values in [0, 1], got values in "
-                f"[{pixels.min().item()}, {pixels.max().item()}]"
-            )
-        pixels = pixels.mul(255).round_().to(torch.uint8)
     if pixels.ndim == 3:
         pixels = pixels.permute(1, 2, 0)
     return pixels.contiguous().numpy()

@@ -12,8 +12,8 @@ import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from .image import ImageInput, image_size, is_image
-from .processor import ImagePlan, MoonViTImageProcessor
+from .image import ImageInput, image_size, image_sources
+from .processor import ImagePlan, ImageSizeError, MoonViTImageProcessor
 from .video import MoonViTVideoProcessor, VideoChunk, VideoSource, is_video
 
 MediaInput = ImageInput | VideoSource
@@ -119,15 +119,14 @@ def pack_images(
     group = processor.merge_kernel_size[0] * processor.merge_kernel_size[1]
     if max_patches_per_pack < group:
         raise ValueError(f"max_patches_per_pack must hold at least one merged token ({group} patches)")
-    sources: Iterable[MediaInput] = [images] if is_image(images) or is_video(images) else images  # type: ignore[list-item,assignment]
     videos = video_processor or MoonViTVideoProcessor.for_images(processor)
 
     def items() -> Iterator[PackItem]:
-        for index, source in enumerate(sources):
+        for index, source in enumerate(image_sources(images)):  # type: ignore[arg-type]
             if is_video(source):
                 yield from plan_video_items(index, source, videos, max_patches_per_pack)  # type: ignore[arg-type]
             else:
-                yield plan_pack_item(index, source, processor, max_patches_per_pack)  # type: ignore[arg-type]
+                yield plan_pack_item(index, source, processor, max_patches_per_pack)
 
     yield from group_into_packs(items(), max_patches_per_pack)
 
@@ -209,7 +208,7 @@ def _fit_token_limit(processor: MoonViTImageProcessor, size: tuple[int, int], bu
 
     if not fits(1):
         smallest = processor.plan_image(*size, in_token_limit=1).num_patches
-        raise ValueError(
+        raise ImageSizeError(
             f"a {size[0]}x{size[1]} image needs at least {smallest} patches after padding, over "
             f"max_patches_per_pack={budget}"
         )

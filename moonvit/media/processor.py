@@ -27,7 +27,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -36,8 +36,21 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..files import write_text_atomic
 from ..model.config import merge_kernel
-from .image import AlphaMode, ImageInput, ImageLoadError, ImageTooLargeError, image_size, is_image, load_image
+from ..weights.checkpoint import CheckpointError, read_json
+from ..weights.config_keys import warn_unread_keys
+from ..weights.hub import HubSnapshot, resolve_pretrained
+from .image import (
+    AlphaMode,
+    ImageInput,
+    ImageLoadError,
+    ImageTooLargeError,
+    image_size,
+    image_sources,
+    is_image,
+    load_image,
+)
 
 __all__ = [
     "CONFIG_NAME",
@@ -45,6 +58,7 @@ __all__ = [
     "ImageInput",
     "ImageLoadError",
     "ImagePlan",
+    "ImageSizeError",
     "ImageTooLargeError",
     "MoonViTImageProcessor",
     "image_size",
@@ -57,6 +71,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "preprocessor_config.json"
+KIMI_UNUSED_KEYS = ("num_pooled_tokens",)
+"""Keys of Kimi-VL's preprocessor_config.json that do not change the processing."""
+
+
+class ImageSizeError(ValueError):
+    """An image the processor cannot fit: a side over the position table, smaller than one merged
+    token without padding, or larger than a pack budget allows."""
+
 
 SideLimitMode = Literal["error", "resize"]
 Size = tuple[int, int]
@@ -204,21 +226,34 @@ class MoonViTImageProcessor:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **overrides: Any) -> MoonViTImageProcessor:
-        """Read ``preprocessor_config.json`` from a checkpoint folder (or the file itself).
+        """Read ``preprocessor_config.json`` from a checkpoint folder, the file itself, or a hub id.
 
         Three forms are read (see :func:`image_settings`): this project's and Kimi-VL's flat
         fields, a Kimi-K2.5 / K2.6 release's ``media_proc_cfg``, and transformers'
-        ``Kimi_K25ImageProcessor`` keys. A folder without the file gives the defaults. Keys
-        that are not fields (such as Kimi-VL's ``num_pooled_tokens``, ``image_processor_type``
-        or ``auto_map``) are ignored; ``overrides`` replace the file's values.
+        ``Kimi_K25ImageProcessor`` keys. A folder without the file gives the defaults. In the flat
+        form, Kimi-VL's bookkeeping keys (``image_processor_type``, ``auto_map``,
+        ``num_pooled_tokens``) are ignored and any other key that is not a field is named in a
+        warning. ``overrides`` replace the file's values.
+
+        Raises:
+            CheckpointError: the path does not exist, or the file is not valid JSON or holds an
+                invalid setting (the file named).
         """
-        path = Path(path)
+        path = resolve_pretrained(path, _fetch_processor_files)
+        if not path.exists():
+            raise CheckpointError(f"processor config path {path} does not exist")
         file = path / CONFIG_NAME if path.is_dir() else path
         if path.is_dir() and not file.is_file():
             logger.info("no %s in %s: using the default processor settings", CONFIG_NAME, path)
             return cls(**overrides)
-        config = json.loads(file.read_text())
-        return cls(**{**image_settings(config), **overrides})
+        config = read_json(file)
+        if image_settings_form(config) == "flat":
+            known = {f.name for f in dataclasses.fields(cls)}
+            warn_unread_keys(file, config, {*known, *KIMI_UNUSED_KEYS})
+        try:
+            return cls(**{**image_settings(config), **overrides})
+        except (TypeError, ValueError) as error:
+            raise CheckpointError(f"{file}: {error}") from error
 
     @classmethod
     def kimi_k25(cls, **overrides: Any) -> MoonViTImageProcessor:
@@ -231,7 +266,7 @@ class MoonViTImageProcessor:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         file = directory / CONFIG_NAME
-        file.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        write_text_atomic(file, json.dumps(self.to_dict(), indent=2) + "\n")
         return file
 
     def to_dict(self) -> dict[str, Any]:
@@ -245,7 +280,7 @@ class MoonViTImageProcessor:
         ``in_token_limit`` replaces the processor's own budget for this image.
 
         Raises:
-            ValueError: the grid exceeds ``patch_limit_on_one_side`` with ``side_limit_mode="error"``,
+            ImageSizeError: the grid exceeds ``patch_limit_on_one_side`` with ``side_limit_mode="error"``,
                 or, with ``pad_input=False``, the image is smaller than one merged token.
         """
         if width < 1 or height < 1:
@@ -257,10 +292,10 @@ class MoonViTImageProcessor:
         box = self._box(*resized)
         grid = ((box[3] - box[1]) // self.patch_size, (box[2] - box[0]) // self.patch_size)
         if max(grid) > self.patch_limit_on_one_side:
-            raise ValueError(
+            raise ImageSizeError(
                 f"a {width}x{height} image gives a {grid[0]}x{grid[1]} patch grid: a side over "
-                f"{self.patch_limit_on_one_side} patches exceeds the position table (use "
-                "side_limit_mode='resize' to scale such images down)"
+                f"{self.patch_limit_on_one_side} patches exceeds the position table (side_limit_mode='resize', "
+                "--side-limit-mode resize on the command lines, scales such images down)"
             )
         return ImagePlan((width, height), resized, box, grid)
 
@@ -281,7 +316,7 @@ class MoonViTImageProcessor:
             return (0, 0, -(-width // unit_w) * unit_w, -(-height // unit_h) * unit_h)
         crop_w, crop_h = width // unit_w * unit_w, height // unit_h * unit_h
         if crop_w == 0 or crop_h == 0:
-            raise ValueError(
+            raise ImageSizeError(
                 f"a {width}x{height} image is smaller than one merged token ({unit_w}x{unit_h} px); "
                 "pad_input=False crops instead of padding"
             )
@@ -296,11 +331,11 @@ class MoonViTImageProcessor:
 
     def __call__(
         self,
-        images: ImageInput | Sequence[ImageInput],
+        images: ImageInput | Iterable[ImageInput],
         *,
         in_token_limit: int | Sequence[int | None] | None = None,
     ) -> ImageBatch:
-        """Process one image or a list / tuple of them into an :class:`ImageBatch`.
+        """Process one image or any iterable of them (list, generator, dataset) into an :class:`ImageBatch`.
 
         Images are decoded one at a time. ``in_token_limit`` (one value, or one per image, None
         meaning the processor's own) replaces the size budget.
@@ -309,7 +344,7 @@ class MoonViTImageProcessor:
             ImageLoadError: an input cannot be read as an image.
             ValueError: an image exceeds the position table (see :meth:`plan_image`).
         """
-        sources: list[ImageInput] = list(images) if isinstance(images, (list, tuple)) else [images]  # type: ignore[list-item]
+        sources = list(image_sources(images))
         if in_token_limit is None or isinstance(in_token_limit, int):
             limits = [in_token_limit] * len(sources)
         else:
@@ -350,6 +385,20 @@ class MoonViTImageProcessor:
         return [unpatchify(chunk, grid) for chunk, grid in zip(pixels.split([h * w for h, w in grids]), grids)]
 
 
+def _fetch_processor_files(snapshot: HubSnapshot) -> None:
+    """From a hub repository: preprocessor_config.json, or, when it has none, config.json (so that
+    the snapshot folder exists and the defaults apply). Offline, a config not in the cache is an
+    error rather than the defaults: Kimi-VL's releases differ in ``in_token_limit``."""
+    if snapshot.optional_file(CONFIG_NAME) is None:
+        snapshot.file("config.json")
+
+
+def _fetch_video_processor_files(snapshot: HubSnapshot) -> None:
+    """From a hub repository: the image processor's files, and the video one's where it has one."""
+    _fetch_processor_files(snapshot)
+    snapshot.optional_file(VIDEO_CONFIG_NAME, unknown="absent")
+
+
 def _check_positive_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -375,6 +424,15 @@ def _fields_of(cls: type, values: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in values.items() if k in known}
 
 
+def image_settings_form(config: dict[str, Any]) -> str:
+    """Which ``preprocessor_config.json`` form ``config`` is: ``"media_proc_cfg"``, ``"transformers"`` or ``"flat"``."""
+    if isinstance(config.get("media_proc_cfg"), dict):
+        return "media_proc_cfg"
+    if str(config.get("image_processor_type", "")).startswith("Kimi_K25") or "max_patches" in config:
+        return "transformers"
+    return "flat"
+
+
 def image_settings(config: dict[str, Any]) -> dict[str, Any]:
     """:class:`MoonViTImageProcessor` fields from any of the ``preprocessor_config.json`` forms:
 
@@ -383,14 +441,15 @@ def image_settings(config: dict[str, Any]) -> dict[str, Any]:
       ``patch_limit_on_one_side`` the per-side cap, applied by resizing;
     - transformers' ``Kimi_K25ImageProcessor``: ``max_patches``, ``size.max_height``, ``merge_size``.
     """
-    if isinstance(config.get("media_proc_cfg"), dict):
+    form = image_settings_form(config)
+    if form == "media_proc_cfg":
         media = config["media_proc_cfg"]
         fields = _fields_of(MoonViTImageProcessor, media)
         fields["side_limit_mode"] = "resize"
         if "in_patch_limit" in media:
             fields["in_token_limit"] = media["in_patch_limit"]
         return fields
-    if str(config.get("image_processor_type", "")).startswith("Kimi_K25") or "max_patches" in config:
+    if form == "transformers":
         fields = _fields_of(MoonViTImageProcessor, config)
         fields["side_limit_mode"] = "resize"
         if "max_patches" in config:
@@ -414,15 +473,16 @@ def read_video_settings(path: str | os.PathLike, cls: type, **overrides: Any) ->
     with K2.5's per-side cap and per-frame budget: ``in_patch_limit_each_frame`` of a release's
     ``media_proc_cfg`` (default 4096), or ``max_patches`` of transformers'
     ``video_preprocessor_config.json``; the sampling rate (``sample_fps`` / ``fps``) and the chunk
-    length (``temporal_merge_kernel_size`` / ``temporal_patch_size``) likewise.
+    length (``temporal_merge_kernel_size`` / ``temporal_patch_size``) likewise. A hub id is
+    fetched like the image processor's files.
     """
-    folder = Path(path)
+    folder = resolve_pretrained(path, _fetch_video_processor_files)
     image = MoonViTImageProcessor.from_pretrained(folder)
     release: dict[str, Any] = {}
     if (folder / CONFIG_NAME).is_file():
-        media = json.loads((folder / CONFIG_NAME).read_text()).get("media_proc_cfg")
+        media = read_json(folder / CONFIG_NAME).get("media_proc_cfg")
         release = media if isinstance(media, dict) else {}
-    video = json.loads((folder / VIDEO_CONFIG_NAME).read_text()) if (folder / VIDEO_CONFIG_NAME).is_file() else {}
+    video = read_json(folder / VIDEO_CONFIG_NAME) if (folder / VIDEO_CONFIG_NAME).is_file() else {}
     frame_limit = release.get("in_patch_limit_each_frame") or video.get("max_patches") or 4096
     frames = dataclasses.replace(image, in_token_limit=int(frame_limit), side_limit_mode="resize")
     settings: dict[str, Any] = {"frame_processor": frames}

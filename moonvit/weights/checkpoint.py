@@ -1,6 +1,7 @@
 """Reading and writing MoonViT checkpoints.
 
-Read from a local folder:
+Read from a local folder (or a Hugging Face hub id, fetched by :mod:`.hub` into
+its cache first, only the files needed):
 
 - Kimi-VL's and Kimi-K2.5 / K2.6's releases: ``config.json`` with a
   ``vision_config`` and tensors named ``vision_tower.<name>``, usually sharded
@@ -18,22 +19,29 @@ the ``vision_tower.`` prefix, so the release layouts need no renaming.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections import defaultdict
-from collections.abc import Callable
+import os
+import re
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from ..files import save_safetensors_atomic
-from ..model.config import MoonViTConfig
-from .formats import TensorSource, TowerLayout, detect_tower_layout, encoder_config_from_json
+from ..devices import check_device
+from ..files import folder_problem, save_safetensors_atomic
+from ..model.config import DictConfig, MoonViTConfig
+from .config_keys import warn_unread_keys
+from .formats import TOWER_PREFIXES, TensorSource, TowerLayout, detect_tower_layout, encoder_config_from_json
 
 if TYPE_CHECKING:
     from ..model.encoder import MoonViT
+    from .hub import HubSnapshot
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -43,11 +51,32 @@ class CheckpointError(ValueError):
     """A checkpoint folder that cannot be loaded as it stands."""
 
 
+C = TypeVar("C", bound=DictConfig)
+
+
 def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``; anything else is a :class:`CheckpointError` naming the file."""
     try:
-        return json.loads(path.read_text())
+        values = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path} is not valid JSON: {err}") from err
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"{path} is not a text file: {err}") from err
+    except OSError as err:
+        raise CheckpointError(f"cannot read {path}: {err}") from err
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(values).__name__}, not an object")
+    return values
+
+
+def config_from_file(cls: type[C], values: dict[str, Any], path: Path, also_read: Iterable[str] = ()) -> C:
+    """``cls.from_dict(values)``, read from the file ``path``: keys it does not read are named in
+    a warning, and invalid values raise :class:`CheckpointError` naming the file."""
+    warn_unread_keys(path, values, {*(f.name for f in dataclasses.fields(cls)), *also_read})  # type: ignore[arg-type]
+    try:
+        return cls.from_dict(values)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{path}: {err}") from err
 
 
 def read_config(folder: Path) -> tuple[MoonViTConfig, TowerLayout]:
@@ -56,26 +85,54 @@ def read_config(folder: Path) -> tuple[MoonViTConfig, TowerLayout]:
     path = folder / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{folder} has no config.json")
+    values = read_json(path)
     try:
-        config, family = encoder_config_from_json(read_json(path), str(path))
+        config, family = encoder_config_from_json(values, path)
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"{path}: {error}") from error
-    has_tensors = (folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file()
-    names = [] if family == "own" or not has_tensors else [n for ns in tensor_files(folder, "").values() for n in ns]
+    names = () if family == "own" else tensor_names(folder)
     return config, detect_tower_layout(names, family, config.num_attention_heads)
 
 
-def tensor_files(folder: Path, prefix: str) -> dict[Path, list[str]]:
-    """Map each safetensors file that holds tensors under ``prefix`` to those names."""
+def tensor_names(folder: Path) -> list[str]:
+    """Every tensor name of a folder, from its index (no shard opened) or its single file's header;
+    none when it has neither (yet)."""
+    if (folder / INDEX_FILE).is_file():
+        return list(read_weight_map(folder / INDEX_FILE))
+    if (folder / SINGLE_FILE).is_file():
+        with open_tensor_file(folder / SINGLE_FILE) as f:
+            return list(f.keys())
+    return []
+
+
+@contextmanager
+def open_tensor_file(path: Path) -> Iterator[Any]:
+    """``safe_open(path)``, its failures (a truncated or corrupt file) a :class:`CheckpointError` naming it."""
+    try:
+        with safe_open(path, framework="pt") as handle:
+            yield handle
+    except SafetensorError as err:
+        raise CheckpointError(f"cannot read {path}: {err} (a truncated or corrupt safetensors file)") from err
+    except OSError as err:
+        raise CheckpointError(f"cannot read {path}: {err}") from err
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> shard file name) of a safetensors index file."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
+        raise CheckpointError(f"{index} has no weight_map of tensor names to file names")
+    return weight_map
+
+
+def tensor_files(folder: Path, prefix: str | tuple[str, ...]) -> dict[Path, list[str]]:
+    """Map each safetensors file that holds tensors under ``prefix`` (or any of several) to those names."""
     index = folder / INDEX_FILE
     if index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index} has no weight_map")
         files: dict[Path, list[str]] = defaultdict(list)
-        for name, file in weight_map.items():
+        for name, file_name in read_weight_map(index).items():
             if name.startswith(prefix):
-                files[folder / file].append(name)
+                files[folder / file_name].append(name)
         for file in files:
             if not file.is_file():
                 raise CheckpointError(f"{index} names {file.name}, which is not in {folder}")
@@ -83,8 +140,29 @@ def tensor_files(folder: Path, prefix: str) -> dict[Path, list[str]]:
     single = folder / SINGLE_FILE
     if not single.is_file():
         raise CheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-    with safe_open(single, framework="pt") as f:
+    with open_tensor_file(single) as f:
         return {single: [name for name in f.keys() if name.startswith(prefix)]}  # noqa: SIM118 (a safe_open handle, not a dict)
+
+
+def checkpoint_folder(source: str | os.PathLike, fetch: Callable[[HubSnapshot], None]) -> Path:
+    """The local folder of a loader's ``path`` argument, refused with a :class:`CheckpointError`
+    when it is not one. A hub id (``owner/name``) that is not a local path is fetched into the hub
+    cache with ``fetch`` (see :mod:`.hub`)."""
+    from .hub import resolve_pretrained  # .hub builds on this module
+
+    folder = resolve_pretrained(source, fetch)
+    problem = folder_problem(folder)
+    if problem is not None:
+        hint = " (pass the checkpoint folder that holds it)" if folder.exists() else ""
+        raise CheckpointError(f"checkpoint folder {folder} {problem}{hint}")
+    return folder
+
+
+def fetch_encoder_files(snapshot: HubSnapshot) -> None:
+    """From a hub repository: config.json, then the tensor files holding the encoder's tensors."""
+    _, layout = read_config(snapshot.file("config.json").parent)
+    # Before the index is here, the layout of a Kimi family is not known: fetch any tower tensor.
+    snapshot.tensors(*(("",) if layout.name == "own" else TOWER_PREFIXES))
 
 
 def load_pretrained(
@@ -94,10 +172,11 @@ def load_pretrained(
     device: torch.device | str | None = None,
     attn_implementation: str = "auto",
 ) -> MoonViT:
-    """Build ``cls`` from a checkpoint folder, reading only the vision tensors (see :func:`assign_from_files`)."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    """Build ``cls`` from a checkpoint folder or hub id, reading only the vision tensors (see
+    :func:`assign_from_files`)."""
+    if device is not None:
+        device = check_device(device)
+    folder = checkpoint_folder(path, fetch_encoder_files)
     config, layout = read_config(folder)
     config.attn_implementation = attn_implementation
     with torch.device("meta"):
@@ -140,29 +219,34 @@ def assign_from_files(
     missing, unexpected = sorted(set(needed) - found), sorted(found - set(needed))
     if missing or unexpected:
         raise CheckpointError(
-            f"{folder} does not match the {type(model).__name__} config: missing {missing}, unexpected {unexpected}"
+            f"{folder} does not match the {type(model).__name__} config: "
+            + "; ".join([*count_mismatches(found, set(needed)), *name_lists(missing=missing, unexpected=unexpected)])
         )
     wrong_shape = []
     for file, names in files.items():
-        with safe_open(file, framework="pt") as f:
+        with open_tensor_file(file) as f:
             for ckpt in names:
                 name = needed[ckpt][0]
                 shape, wanted = tuple(f.get_slice(ckpt).get_shape()), sources[name].part_shape(params[name].shape)
                 if shape != wanted:
                     wrong_shape.append(f"{ckpt}: {shape}, expected {wanted}")
     if wrong_shape:
-        raise CheckpointError(f"{folder} has tensors of the wrong shape: " + "; ".join(wrong_shape))
+        shown = "; ".join(wrong_shape[:3]) + ("; ..." if len(wrong_shape) > 3 else "")
+        raise CheckpointError(
+            f"{folder} has {len(wrong_shape)} tensors of the wrong shape for the config (are its widths "
+            f"those of the checkpoint?): {shown}"
+        )
 
     if dtype is None:
         first_matrix = sources[next(name for name, p in params.items() if p.ndim >= 2)].names[0]
         file = next(file for file, names in files.items() if first_matrix in names)
-        with safe_open(file, framework="pt") as f:
+        with open_tensor_file(file) as f:
             dtype = f.get_slice(first_matrix)[:1].dtype
     # safetensors maps the file lazily; copy each tensor out so the model never
     # aliases the file (which a later save to the same folder would overwrite).
     parts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
     for file, names in files.items():
-        with safe_open(file, framework="pt") as f:
+        with open_tensor_file(file) as f:
             for ckpt in names:
                 name, i = needed[ckpt]
                 parts[name][i] = f.get_tensor(ckpt).to(device=device or "cpu", dtype=dtype, copy=True)
@@ -173,6 +257,65 @@ def assign_from_files(
 
 def _as_source(source: str | TensorSource) -> TensorSource:
     return TensorSource((source,)) if isinstance(source, str) else source
+
+
+_NUMBERED = re.compile(r"^(?P<stem>.+?)\.(?P<index>\d+)\.(?P<rest>.+)$")
+_LISTED = 6  # name lists up to this long are given in full
+
+
+def count_mismatches(found: set[str], wanted: set[str]) -> list[str]:
+    """One line per run of numbered modules (``encoder.blocks.N.*``) whose count differs, e.g.
+    ``encoder.blocks: the checkpoint has 2, the config says 27``."""
+
+    def counts(names: set[str]) -> dict[str, int]:
+        indices: dict[str, set[str]] = defaultdict(set)
+        for name in names:
+            if match := _NUMBERED.match(name):
+                indices[match["stem"]].add(match["index"])
+        return {stem: len(values) for stem, values in indices.items()}
+
+    have, want = counts(found), counts(wanted)
+    return [
+        f"{stem}: the checkpoint has {have.get(stem, 0)}, the config says {want.get(stem, 0)}"
+        for stem in sorted(have.keys() | want.keys())
+        if have.get(stem, 0) != want.get(stem, 0)
+    ]
+
+
+def name_lists(**lists: list[str]) -> list[str]:
+    """``missing [...]``-style lines for non-empty name lists; long ones summarised by module run."""
+    return [f"{label} {summarise_names(names)}" for label, names in lists.items() if names]
+
+
+def summarise_names(names: list[str]) -> str:
+    """``['a', 'b']`` for a few names; for many, the count and each run of numbered modules
+    collapsed: ``250 tensors: encoder.blocks.{2..26}.* (250)``."""
+    if len(names) <= _LISTED:
+        return str(sorted(names))
+    runs: dict[str, set[int]] = defaultdict(set)
+    sizes: Counter[str] = Counter()
+    loose = []
+    for name in sorted(names):
+        if match := _NUMBERED.match(name):
+            runs[match["stem"]].add(int(match["index"]))
+            sizes[match["stem"]] += 1
+        else:
+            loose.append(name)
+    parts = [f"{stem}.{{{_index_ranges(runs[stem])}}}.* ({sizes[stem]})" for stem in sorted(runs)]
+    parts += loose[:_LISTED] + ([f"... {len(loose) - _LISTED} more"] if len(loose) > _LISTED else [])
+    return f"{len(names)} tensors: " + ", ".join(parts)
+
+
+def _index_ranges(indices: set[int]) -> str:
+    """{0, 2, 3, 4, 9} -> ``0,2..4,9``."""
+    ordered = sorted(indices)
+    runs: list[list[int]] = []
+    for index in ordered:
+        if runs and index == runs[-1][-1] + 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return ",".join(str(run[0]) if len(run) == 1 else f"{run[0]}..{run[-1]}" for run in runs)
 
 
 def update_weights_digest(digest: Any, module: nn.Module, prefix: str = "") -> None:

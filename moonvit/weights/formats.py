@@ -28,19 +28,20 @@ Tensor layouts of the tower (the same weights under four sets of names):
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..model.config import MoonViTConfig
-
-logger = logging.getLogger("moonvit")
+from .config_keys import warn_unread_keys
 
 __all__ = [
     "BLOCK_RENAMES",
+    "PROJECTOR_KEYS",
+    "TOWER_PREFIXES",
     "TensorSource",
     "TowerLayout",
     "detect_tower_layout",
@@ -48,20 +49,14 @@ __all__ = [
     "unpermute_rope_rows",
 ]
 
+# Every layout's tower tensors start with one of these (own folders: no prefix).
+TOWER_PREFIXES = ("vision_tower.", "model.vision_tower.")
+
 # Block submodules: ours (Kimi-VL's names) -> transformers' native names.
 BLOCK_RENAMES = {"norm0": "norm1", "norm1": "norm2", "wo": "attn.proj", "mlp.fc0": "mlp.fc1", "mlp.fc1": "mlp.fc2"}
 
-# Keys every transformers / hub config may carry that say nothing about the tower.
-_GENERIC_KEYS = frozenset(
-    {
-        "model_type", "architectures", "auto_map", "torch_dtype", "dtype", "transformers_version",
-        "_attn_implementation", "_name_or_path", "use_return_dict", "output_hidden_states",
-        "output_attentions", "return_dict", "initializer_range", "tie_word_embeddings",
-        "is_encoder_decoder", "id2label", "label2id", "chunk_size_feed_forward", "problem_type",
-    }
-)  # fmt: skip
 # The projector's settings, which K2.5 releases keep inside vision_config (read by the projector).
-_PROJECTOR_KEYS = frozenset(
+PROJECTOR_KEYS = frozenset(
     {"mm_projector_type", "mm_hidden_size", "text_hidden_size", "projector_hidden_act", "projector_ln_eps"}
 )
 _K25_RELEASE_KEYS = {
@@ -97,22 +92,16 @@ _KIMI_VL_KEYS = {
 }  # fmt: skip
 
 
-def _report_unknown(keys: Collection[str], known: Collection[str], where: str) -> None:
-    unknown = sorted(set(keys) - set(known) - _GENERIC_KEYS)
-    if unknown:
-        logger.warning("%s: ignoring keys this package does not know: %s", where, ", ".join(unknown))
-
-
 def _mapped(values: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
     return {ours: values[theirs] for theirs, ours in names.items() if theirs in values}
 
 
-def encoder_config_from_json(values: dict[str, Any], where: str) -> tuple[MoonViTConfig, str]:
+def encoder_config_from_json(values: dict[str, Any], where: str | Path) -> tuple[MoonViTConfig, str]:
     """The encoder config of a ``config.json`` dict, and the family it was read as.
 
     Families: ``"own"``, ``"kimi-vl"``, ``"kimi-k25"`` (release keys) and
-    ``"kimi-k25-transformers"``. Keys the package does not know are named in one
-    warning; ``where`` names the file in messages.
+    ``"kimi-k25-transformers"``. Keys the package does not read are named in one
+    warning (:func:`~moonvit.weights.config_keys.warn_unread_keys`); ``where`` names the file.
 
     Raises:
         ValueError: an architecture switch this package does not implement
@@ -120,31 +109,33 @@ def encoder_config_from_json(values: dict[str, Any], where: str) -> tuple[MoonVi
             or values MoonViTConfig refuses.
     """
     vision = values.get("vision_config")
-    if not isinstance(vision, dict):
+    if vision is not None and not isinstance(vision, dict):
+        raise ValueError(f"vision_config is a {type(vision).__name__}, not an object")
+    if vision is None:
         own = set(MoonViTConfig.__dataclass_fields__)
-        _report_unknown(values, own, where)
+        warn_unread_keys(where, values, own)
         return MoonViTConfig.from_dict(values), "own"
-    vision_where = f"{where} vision_config"
+    vision_where = where
     if any(key.startswith("vt_") for key in vision):
         for key, supported in _K25_SWITCHES.items():
             if key in vision and vision[key] != supported:
-                raise ValueError(f"{vision_where}: {key} {vision[key]!r} is not supported (only {supported!r})")
-        _report_unknown(vision, {*_K25_RELEASE_KEYS, *_K25_SWITCHES, *_PROJECTOR_KEYS}, vision_where)
+                raise ValueError(f"vision_config: {key} {vision[key]!r} is not supported (only {supported!r})")
+        warn_unread_keys(vision_where, vision, {*_K25_RELEASE_KEYS, *_K25_SWITCHES, *PROJECTOR_KEYS})
         fields = _mapped(vision, _K25_RELEASE_KEYS)
         fields.setdefault("init_pos_emb_time", 4)
         return MoonViTConfig(**fields), "kimi-k25"
     if vision.get("model_type") == "kimi_k25_vision" or values.get("model_type") == "kimi_k25":
         activation = vision.get("hidden_act", "gelu_pytorch_tanh")
         if activation != "gelu_pytorch_tanh":
-            raise ValueError(f"{vision_where}: hidden_act {activation!r} is not supported (only 'gelu_pytorch_tanh')")
+            raise ValueError(f"vision_config: hidden_act {activation!r} is not supported (only 'gelu_pytorch_tanh')")
         rope = vision.get("rope_parameters") or {}
-        _report_unknown(vision, {*_K25_NATIVE_KEYS, "hidden_act", "rope_parameters"}, vision_where)
+        warn_unread_keys(vision_where, vision, {*_K25_NATIVE_KEYS, "hidden_act", "rope_parameters"})
         fields = _mapped(vision, _K25_NATIVE_KEYS)
         fields.setdefault("init_pos_emb_time", 4)
         if "rope_theta" in rope:
             fields["rope_theta"] = float(rope["rope_theta"])
         return MoonViTConfig(**fields), "kimi-k25-transformers"
-    _report_unknown(vision, _KIMI_VL_KEYS, vision_where)
+    warn_unread_keys(vision_where, vision, {*_KIMI_VL_KEYS, *PROJECTOR_KEYS})
     return MoonViTConfig(**_mapped(vision, _KIMI_VL_KEYS)), "kimi-vl"
 
 

@@ -1,0 +1,84 @@
+"""scripts/demo.sh: --help, and runs one after another with other arguments into the same folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def demo(out: Path, *args: str | Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MOONVIT_DEMO_OUT": str(out)}
+    return subprocess.run(
+        ["bash", str(REPO / "scripts" / "demo.sh"), *map(str, args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_help_prints_the_arguments_and_runs_nothing(tmp_path):
+    for flag in ("--help", "-h"):
+        result = demo(tmp_path / "out", "--preset", "tiny", flag)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("usage: bash scripts/demo.sh")
+        assert "--checkpoint" in result.stdout and "--max-patches-per-pack" in result.stdout
+        assert "moonvit 0.1.0:" not in result.stdout and not (tmp_path / "out").exists()
+
+
+def test_the_flags_the_demo_sets_are_refused(tmp_path):
+    for args in (["--out", "x"], ["--save-images=x"], ["--ou", "x"], ["--save-c", "x"]):
+        result = demo(tmp_path / "out", *args)
+        assert result.returncode == 2 and "is set by the demo" in result.stderr
+        assert not (tmp_path / "out").exists()
+
+
+def consistent(out: Path) -> dict:
+    """The folder holds one run: the summary, the saved images, the checkpoint and the export agree."""
+    summary = json.loads((out / "summary.json").read_text())
+    saved = sorted(entry["saved_as"] for entry in summary["images"])
+    assert sorted(p.relative_to(out / "images").as_posix() for p in (out / "images").rglob("*.png")) == saved
+    manifest = [json.loads(line) for line in (out / "export" / "manifest.jsonl").read_text().splitlines()]
+    assert sorted(line["id"] for line in manifest) == saved
+    config = json.loads((out / "checkpoint" / "config.json").read_text())
+    width = {"tiny": 64, "small": 384}[summary["source"].split()[1]]
+    assert config["hidden_size"] == width
+    assert json.loads((out / "probe" / "results.json").read_text())["top1"] > 0.3
+    assert not Path(f"{out}.previous").exists()
+    return summary
+
+
+@pytest.mark.slow
+def test_runs_with_other_arguments_each_leave_one_whole_run(tmp_path):
+    out = tmp_path / "demo"
+    first = demo(out, "--preset", "tiny", "--dtype", "fp32")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert consistent(out)["dtype"] == "fp32"
+
+    for folder, colour in (("a", (200, 30, 30)), ("b", (30, 200, 30))):
+        (tmp_path / folder).mkdir()
+        Image.new("RGB", (90, 60), colour).save(tmp_path / folder / "photo.png")
+    second = demo(
+        out, "--preset", "tiny", "--dtype", "bf16", "--images", tmp_path / "a/photo.png", tmp_path / "b/photo.png"
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    summary = consistent(out)
+    assert summary["dtype"] == "bf16" and [e["image"] for e in summary["images"]] == ["a/photo.png", "b/photo.png"]
+
+    before = folder_bytes(out)
+    failed = demo(out, "--preset", "tiny", "--images", tmp_path / "missing.png")
+    assert failed.returncode == 2 and "missing.png does not exist" in failed.stderr
+    assert "left as the previous run wrote it" in failed.stderr
+    assert folder_bytes(out) == before
