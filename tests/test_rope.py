@@ -60,3 +60,18 @@ def test_rotation_preserves_norm_at_large_positions():
     x = torch.randn(3, 4, 72, dtype=torch.float64)
     out = apply_rope(x, rope_rotation(positions, 72, 10000.0))
     torch.testing.assert_close(out.norm(dim=-1), x.norm(dim=-1))
+
+
+def test_the_real_form_used_by_compilers_and_exporters_equals_the_complex_one():
+    from moonvit.model.rope import rotate_real
+
+    positions = torch.stack(torch.meshgrid(torch.arange(7), torch.arange(11), indexing="ij"), -1).reshape(-1, 2)
+    rotation = rope_rotation(positions, 72, 10000.0)
+    assert rotation.dtype == torch.float32 and rotation.shape == (77, 36, 2)
+    for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
+        x = torch.randn(77, 2, 3, 72, dtype=dtype)
+        torch.testing.assert_close(rotate_real(x, rotation, torch.promote_types(dtype, torch.float32)),
+                                   apply_rope(x, rotation), rtol=tolerance, atol=tolerance)  # fmt: skip
+    x = torch.randn(77, 3, 72).bfloat16()
+    # bf16: both round the same float32 values once, up to the last float32 bit of a product
+    assert (rotate_real(x, rotation).float() - apply_rope(x, rotation).float()).abs().max() <= 2**-6

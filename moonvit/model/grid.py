@@ -65,8 +65,8 @@ class PackedGrid:
         max_frames: the most frames of any item (1 for a pack of images).
         positions: (L, 2) int64, (row, col) of each patch inside its frame.
         item_index: (L,) int64, the item each row belongs to.
-        rope_rotation: (L, head_dim // 2) complex64, the RoPE rotation of each
-            channel pair (pair 2i: column angle, 2i + 1: row angle).
+        rope_rotation: (L, head_dim // 2, 2) float32, (cos, sin) of the RoPE rotation of
+            each channel pair (pair 2i: column angle, 2i + 1: row angle).
         pos_emb_index: (U, 16) int64, bicubic taps into the flattened position
             table, for the U patches of the pack's distinct (h, w) sizes.
         pos_emb_weight: (U, 16) float64, the weights of those taps.
