@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .attention import get_attention
 from .chunking import map_row_chunks
 from .grid import PackedGrid
+from .linear import linear
 from .rope import apply_rope
 
 # The MLP runs over row chunks whose (rows, hidden) activation stays under
@@ -21,19 +21,22 @@ MLP_CHUNK_BYTES = 16 * 2**20
 
 
 class MLP(nn.Module):
-    """fc1(gelu_tanh(fc0(x))); rows are independent, so large packs run in chunks of rows."""
+    """fc1(gelu_tanh(fc0(x))) (+ a residual); rows are independent, so large packs run in chunks of rows."""
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
         self.fc0 = nn.Linear(dim, hidden_dim)
         self.fc1 = nn.Linear(hidden_dim, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """(L, D) -> (L, D); with ``residual`` (L, D), ``residual + mlp(x)`` (added in fc1's epilogue on CPU)."""
         row_bytes = self.fc0.out_features * x.element_size()
-        return map_row_chunks(self._mlp, x, row_bytes=row_bytes, budget=MLP_CHUNK_BYTES)
+        if residual is None:
+            return map_row_chunks(self._mlp, x, row_bytes=row_bytes, budget=MLP_CHUNK_BYTES)
+        return map_row_chunks(self._mlp, x, residual, row_bytes=row_bytes, budget=MLP_CHUNK_BYTES)
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc1(F.gelu(self.fc0(x), approximate="tanh"))
+    def _mlp(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(self.fc1, linear(self.fc0, x, gelu_tanh=True), residual=residual)
 
 
 def drop_path_per_item(branch: torch.Tensor, grid: PackedGrid, rate: float) -> torch.Tensor:
@@ -62,17 +65,19 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(dim, eps=eps)
         self.mlp = MLP(dim, mlp_dim)
 
-    def attention(self, x: torch.Tensor, grid: PackedGrid, attn_implementation: str) -> torch.Tensor:
-        """Multi-head self-attention within each image of the pack, (L, D) -> (L, D)."""
-        # wqkv's output is laid out [q | k | v], each (heads, head_dim).
-        q, k, v = self.wqkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(1)
-        q, k = apply_rope(q, grid.rope_rotation), apply_rope(k, grid.rope_rotation)
-        out = get_attention(attn_implementation)(q, k, v, grid)
-        return self.wo(out.flatten(1))
+    def attention(
+        self, x: torch.Tensor, grid: PackedGrid, attn_implementation: str, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Multi-head self-attention within each image of the pack, (L, D) -> (L, D) (+ ``residual``)."""
+        # wqkv's output is laid out [q | k | v], each (heads, head_dim); q and k are rotated in one pass.
+        qkv = linear(self.wqkv, x).unflatten(-1, (3, self.num_heads, -1))
+        qk = apply_rope(qkv[:, :2], grid.rope_rotation)
+        out = get_attention(attn_implementation)(qk[:, 0], qk[:, 1], qkv[:, 2], grid)
+        return linear(self.wo, out.flatten(1), residual=residual)
 
     def forward(self, x: torch.Tensor, grid: PackedGrid, attn_implementation: str) -> torch.Tensor:
         if self.training and self.drop_path > 0:
             x = x + drop_path_per_item(self.attention(self.norm0(x), grid, attn_implementation), grid, self.drop_path)
             return x + drop_path_per_item(self.mlp(self.norm1(x)), grid, self.drop_path)
-        x = x + self.attention(self.norm0(x), grid, attn_implementation)
-        return x + self.mlp(self.norm1(x))
+        x = self.attention(self.norm0(x), grid, attn_implementation, residual=x)
+        return self.mlp(self.norm1(x), residual=x)
