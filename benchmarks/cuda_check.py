@@ -1,14 +1,21 @@
-"""Check the CUDA paths of the encoder against its CPU float32 output.
+"""Check the CUDA paths of the encoder against its CPU float32 output, with pass / fail lines.
 
 Runs every attention backend that can run on the device (flash_attention_2 where
-flash-attn is installed, sdpa, eager on small packs) in bf16 on mixed packs,
-compares each with the same weights run on the CPU in float32, checks that
-backward runs, and prints peak memory and time per call.
+flash-attn is installed, sdpa, eager on small packs) in bf16 on mixed packs and a
+K2.5 video pack, and checks:
 
-    python benchmarks/cuda_check.py --preset so400m --out outputs/cuda_check.json
-    python benchmarks/cuda_check.py --device cpu --preset tiny   # smoke test without a GPU
+- accuracy: each backend within 2e-2 relative (L2) of the same weights run on the CPU in float32;
+- backward: a loss's gradient with respect to the pixels is finite;
+- memory: the peak a forward adds grows linearly with the patches (packs of 8, 32 and 128
+  16x16 images: per-patch peak within 2x of the smallest pack's), far under one L x L matrix;
+- speed: MFU (model matmul FLOPs, attention included, over the measured bf16 matmul peak)
+  of at least 45% at 1792x1792 with flash-attn's varlen kernel.
 
-MFU is model matmul FLOPs (attention included) over the measured bf16 matmul peak.
+    python benchmarks/cuda_check.py --out outputs/cuda_check.json        # the real so400m tower
+    python benchmarks/cuda_check.py --device cpu --preset tiny --no-speed  # a smoke run without a GPU
+
+Exit status 1 when a check fails. ``tests/test_cuda.py`` holds the same checks at small
+sizes as pytest tests (``pytest -m cuda``; skipped without a GPU).
 """
 
 from __future__ import annotations
@@ -19,19 +26,23 @@ import platform
 import time
 
 import torch
-from common import matmul_peak, model_flops
+from common import as_thw, matmul_peak, model_flops
 
 from moonvit import PRESETS, MoonViT
 from moonvit.cli import device_name, output_file, positive_int
 from moonvit.model.attention import flash_attn_installed
 
-PACKS = {
+PACKS: dict[str, list[tuple[int, ...]]] = {
     "448x448": [(32, 32)],
     "mixed-4": [(32, 32), (24, 40), (16, 16), (48, 36)],
     "32-small": [(16, 16)] * 32,
     "1792x1792": [(128, 128)],
     "mixed 16k": [(64, 64)] * 2 + [(32, 32)] * 6 + [(16, 16)] * 8,
+    "video 4 x 4-frame 448x448": [(4, 32, 32)] * 4,
 }
+MAX_RELATIVE_ERROR = 2e-2
+MIN_FLASH_MFU_1792 = 0.45
+MEMORY_COUNTS = (8, 32, 128)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -51,59 +62,81 @@ def timed(fn, device: torch.device, repeats: int = 3) -> tuple[object, float]:
     return out, (time.perf_counter() - start) / repeats
 
 
+def forward_peak_mib(model: MoonViT, pixels: torch.Tensor, grids: torch.Tensor, device: torch.device) -> float:
+    """Peak CUDA memory one no-grad forward adds above what is allocated before it (NaN off CUDA)."""
+    if device.type != "cuda":
+        return float("nan")
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.no_grad():
+        model(pixels, grids)
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python benchmarks/cuda_check.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="so400m", help="encoder preset (default: so400m)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="so400m", help="encoder size (default: so400m)")
     parser.add_argument("--depth", type=positive_int, help="number of blocks (default: the preset's)")
     parser.add_argument(
         "--device", type=device_name, default="cuda", help="cuda, cuda:N, or cpu for a smoke test (default: cuda)"
     )
+    parser.add_argument("--no-speed", action="store_true", help="skip the MFU check (smoke runs, small presets)")
     parser.add_argument("--out", type=output_file, help="also write the report (JSON) here")
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
+def check(report: dict, name: str, passed: bool, detail: str) -> None:
+    """Record and print one pass / fail line."""
+    report["checks"].append({"check": name, "passed": passed, "detail": detail})
+    print(f"{'PASS' if passed else 'FAIL'}  {name}: {detail}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     device = torch.device(args.device)
-    overrides = {} if args.depth is None else {"num_hidden_layers": args.depth}
+    overrides = {"init_pos_emb_time": 4, **({} if args.depth is None else {"num_hidden_layers": args.depth})}
 
     torch.manual_seed(0)
     reference_model = MoonViT.from_preset(args.preset, **overrides).eval()
     model = MoonViT.from_preset(args.preset, **overrides).eval()
     model.load_state_dict(reference_model.state_dict())
     model.to(device, torch.bfloat16)
+    config = model.config
 
     backends = ["sdpa", "eager"] + (["flash_attention_2"] if flash_attn_installed() and device.type == "cuda" else [])
-    report = {
+    report: dict = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
         "torch": torch.__version__,
         "flash_attn_installed": flash_attn_installed(),
         "preset": args.preset,
-        "depth": model.config.num_hidden_layers,
+        "depth": config.num_hidden_layers,
         "bf16_matmul_peak_tflops": matmul_peak(torch.bfloat16, 8192 if device.type == "cuda" else 2048, 10, device)
         / 1e12,
         "results": [],
+        "checks": [],
     }
-    print(json.dumps({k: v for k, v in report.items() if k != "results"}))
-    for name, grids in PACKS.items():
-        patches = sum(h * w for h, w in grids)
+    print(json.dumps({k: v for k, v in report.items() if k not in ("results", "checks")}))
+    for name, grid_list in PACKS.items():
+        grids = as_thw(grid_list)
+        patches = int(grids.prod(dim=1).sum())
         pixels = torch.randn(patches, 3, 14, 14)
         with torch.no_grad():
             reference = reference_model(pixels, grids).last_hidden_state
         for backend in backends:
-            if backend == "eager" and max(h * w for h, w in grids) > 4096:
+            if backend == "eager" and int(grids.prod(dim=1).max()) > 4096:
                 continue
             model.set_attn_implementation(backend)
             x = pixels.to(device)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
+            peak = forward_peak_mib(model, x, grids, device)
             with torch.no_grad():
                 out, seconds = timed(lambda: model(x, grids).last_hidden_state, device)
-            peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
             loss = model(x.requires_grad_(True), grids).last_hidden_state.float().square().mean()
             loss.backward()
             grad_ok = bool(torch.isfinite(x.grad).all())
             model.zero_grad(set_to_none=True)
+            flops = model_flops(grid_list, config.hidden_size, config.intermediate_size, config.num_hidden_layers)
             row = {
                 "pack": name,
                 "backend": backend,
@@ -111,20 +144,40 @@ def main(argv: list[str] | None = None) -> None:
                 "rel_error_vs_cpu_fp32": relative_error(out, reference),
                 "ms_per_call": seconds * 1e3,
                 "patches_per_s": patches / seconds,
-                "mfu": model_flops(
-                    grids, model.config.hidden_size, model.config.intermediate_size, model.config.num_hidden_layers
-                )
-                / seconds
-                / (report["bf16_matmul_peak_tflops"] * 1e12),
+                "mfu": flops / seconds / (report["bf16_matmul_peak_tflops"] * 1e12),
                 "peak_mib": peak,
                 "backward_finite": grad_ok,
             }
             report["results"].append(row)
             print(json.dumps(row))
+            error = row["rel_error_vs_cpu_fp32"]
+            check(report, f"accuracy {backend} {name}", error <= MAX_RELATIVE_ERROR,
+                  f"{error:.2e} relative to CPU fp32 (limit {MAX_RELATIVE_ERROR})")  # fmt: skip
+            check(report, f"backward {backend} {name}", grad_ok, "finite pixel gradients" if grad_ok else "non-finite")
+            if name == "1792x1792" and backend == "flash_attention_2" and not args.no_speed:
+                check(report, "MFU flash 1792x1792", row["mfu"] >= MIN_FLASH_MFU_1792,
+                      f"{row['mfu']:.0%} (at least {MIN_FLASH_MFU_1792:.0%})")  # fmt: skip
+    if device.type == "cuda":
+        model.set_attn_implementation("auto")
+        peaks = {}
+        for count in MEMORY_COUNTS:
+            grids = torch.tensor([(16, 16)] * count)
+            peaks[count] = forward_peak_mib(model, torch.randn(count * 256, 3, 14, 14, device=device), grids, device)
+        per_patch = {count: peak / (count * 256) for count, peak in peaks.items()}
+        square = (MEMORY_COUNTS[-1] * 256) ** 2 * 2 / 2**20
+        linear = max(per_patch.values()) <= 2 * per_patch[MEMORY_COUNTS[0]] and peaks[MEMORY_COUNTS[-1]] < square
+        report["memory_mib"] = peaks
+        check(report, "memory linear in patches", linear,
+              ", ".join(f"{c} x 256: {p:.0f} MiB" for c, p in peaks.items())
+              + f"; one (L, L) bf16 matrix at the largest: {square:.0f} MiB")  # fmt: skip
+    failed = [c["check"] for c in report["checks"] if not c["passed"]]
+    print(f"{len(report['checks']) - len(failed)} of {len(report['checks'])} checks passed" +
+          (f"; failed: {', '.join(failed)}" if failed else ""))  # fmt: skip
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+"""The CUDA paths, at small sizes: ``pytest -m cuda`` on a machine with a GPU (skipped elsewhere).
+``benchmarks/cuda_check.py`` runs the same checks on the real tower, with speed."""
+
+import pytest
+import torch
+from helpers import random_pack, randomize_
+
+from moonvit import MoonViT, preset_config
+from moonvit.model.attention import flash_attn_installed
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
+
+BACKENDS = ["sdpa", "eager"] + (["flash_attention_2"] if flash_attn_installed() else [])
+PACK = [(2, 2), (6, 10), (16, 16), (66, 4), (4, 4)]
+CLIPS = [(4, 8, 8), (1, 6, 10), (3, 4, 4)]
+
+
+def models():
+    cpu = randomize_(MoonViT(preset_config("small", init_pos_emb_time=4))).eval()
+    gpu = randomize_(MoonViT(preset_config("small", init_pos_emb_time=4))).eval().to("cuda", torch.bfloat16)
+    return cpu, gpu
+
+
+def rel(a, b):
+    return ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm()).item()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("grids", [PACK, CLIPS], ids=["images", "clips"])
+def test_bf16_backends_match_cpu_float32(backend, grids):
+    cpu, gpu = models()
+    gpu.set_attn_implementation(backend)
+    rows = [g if len(g) == 3 else (1, *g) for g in grids]
+    pixels, _ = random_pack([(t * h, w) for t, h, w in rows])
+    thw = torch.tensor(rows)
+    with torch.no_grad():
+        expected = cpu(pixels, thw)
+        out = gpu(pixels.cuda(), thw)
+    assert rel(out.last_hidden_state, expected.last_hidden_state) < 2e-2
+    assert rel(out.merged, expected.merged) < 2e-2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_is_finite(backend):
+    _, gpu = models()
+    gpu.set_attn_implementation(backend)
+    pixels, grids = random_pack(PACK)
+    x = pixels.cuda().bfloat16().requires_grad_(True)
+    gpu(x, grids).last_hidden_state.float().square().mean().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    assert all(torch.isfinite(p.grad).all() for p in gpu.parameters() if p.grad is not None)
+
+
+def test_memory_grows_linearly_with_the_patches():
+    _, gpu = models()
+    peaks = {}
+    for count in (8, 32, 128):
+        pixels, grids = random_pack([(16, 16)] * count)
+        x = pixels.cuda().bfloat16()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad():
+            gpu(x, grids)
+        torch.cuda.synchronize()
+        peaks[count] = (torch.cuda.max_memory_allocated() - base) / (count * 256)
+    assert max(peaks.values()) <= 2 * peaks[8], peaks  # bytes per patch do not grow with the pack
