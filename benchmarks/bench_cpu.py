@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from common import PACKS, as_thw, host_line, matmul_peak, mib, model_flops, peak_extra_bytes, seconds
 
 from moonvit import MoonViT, preset_config
@@ -113,25 +114,40 @@ def memory_scaling(contenders: dict[str, Callable]) -> list[str]:
     return lines
 
 
+MATMUL_OPS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "mkldnn::_linear_pointwise")
+COPY_OPS = ("aten::copy_", "aten::cat", "aten::index_select", "aten::clone", "aten::index", "aten::index_put_")
+
+
 def profile_shares(fn: Callable, pixels: torch.Tensor, grids: torch.Tensor) -> dict[str, float]:
-    """Share of one forward's operator time: matmuls, attention, everything else."""
+    """Share of one forward's operator self time: matmuls (fused epilogues included), attention,
+    copies (dtype conversions, concatenations, gathers) and the remaining elementwise work."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.inference_mode():
         fn(pixels, grids)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             fn(pixels, grids)
-    shares = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    shares = {"matmul": 0.0, "attention": 0.0, "copies": 0.0, "elementwise": 0.0}
     for event in prof.key_averages():
-        if event.key in ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul"):
+        if event.key.startswith(MATMUL_OPS):
             kind = "matmul"
         elif "scaled_dot_product" in event.key or "flash_attention" in event.key:
             kind = "attention"
+        elif event.key in COPY_OPS:
+            kind = "copies"
         else:
-            kind = "other"
+            kind = "elementwise"
         shares[kind] += event.self_cpu_time_total
     total = sum(shares.values()) or 1.0
     return {kind: value / total for kind, value in shares.items()}
+
+
+def sdpa_gflops(seqlen: int, batch: int, dtype: torch.dtype, repeats: int = 2) -> float:
+    """FLOP/s of torch's SDPA on (batch, 16, seqlen, 72) in ``dtype``, the encoder's attention shape."""
+    q, k, v = (torch.randn(batch, 16, seqlen, 72).to(dtype) for _ in range(3))
+    F.scaled_dot_product_attention(q, k, v)
+    best = min(seconds(lambda: F.scaled_dot_product_attention(q, k, v)) for _ in range(repeats))
+    return 4 * batch * 16 * seqlen**2 * 72 / best
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,6 +183,11 @@ def main(argv: list[str] | None = None) -> None:
     ]
     peaks = {name: matmul_peak(DTYPES[name]) for name in args.dtypes}
     lines += ["matmul peak 4096^3: " + ", ".join(f"{n} {p / 1e9:.0f} GFLOP/s" for n, p in peaks.items()), ""]
+    # torch's CPU attention kernel on this host, at the packs' sequence lengths (batched as the encoder does)
+    shapes = sorted({(int(n), sum(1 for m in as_thw(PACKS[name]).prod(dim=1).tolist() if m == n))
+                     for name in args.packs for n in as_thw(PACKS[name]).prod(dim=1).tolist()})  # fmt: skip
+    attention = [f"L={n} x{b}: {sdpa_gflops(n, b, DTYPES[d]) / 1e9:.0f}" for n, b in shapes for d in args.dtypes[:1]]
+    lines += [f"SDPA GFLOP/s ({args.dtypes[0]}, 16 heads, head_dim 72): " + ", ".join(attention), ""]
     lines += [
         "| pack | dtype | ours patches/s | peer patches/s | ratio | ours patches/s @27 | peer patches/s @27 "
         "| ours items/s @27 | ours MFU | peer MFU | ours fixed ms | ours fixed ms, no position cache "
@@ -211,14 +232,14 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(lines[-3:]))
         lines += memory_scaling({"ours": ours, "peer": peer})
         header = ["", "Where this encoder's bf16 time goes (operator self time, one forward):", ""]
-        header += ["| pack | matmul | attention (SDPA) | other |", "|---|---|---|---|"]
+        header += ["| pack | matmul | attention (SDPA) | copies | elementwise |", "|---|---|---|---|---|"]
         print("\n".join(header))
         lines += header
         for pack_name in args.packs:
             grids = as_thw(PACKS[pack_name])
             pixels = torch.randn(int(grids.prod(dim=1).sum()), 3, 14, 14).to(torch.bfloat16)
             share = profile_shares(ours, pixels, grids)
-            line = f"| {pack_name} | {share['matmul']:.0%} | {share['attention']:.0%} | {share['other']:.0%} |"
+            line = f"| {pack_name} | " + " | ".join(f"{share[kind]:.0%}" for kind in share) + " |"
             print(line, flush=True)
             lines.append(line)
     if args.out:
