@@ -209,8 +209,8 @@ class Packer:
     """Packs of at most ``budget`` kept patches, filled from a look-ahead buffer of ``lookahead`` images.
 
     Each pack takes the oldest image of the buffer first (so no image waits long), then, largest
-    first, every buffered image that still fits, then newly drawn images while they fit. Images of
-    one size are therefore packed in stream order.
+    first, every buffered image that still fits, then newly drawn images while they fit; the pack
+    is then ordered by kept length (stably), so equal lengths are consecutive.
     """
 
     def __init__(self, stream: ImageStream, budget: int, lookahead: int) -> None:
@@ -253,7 +253,9 @@ class Packer:
             else:
                 self.buffer.append(image)
                 misses += 1
-        return tuple(pack)
+        # Images of one length side by side: the attention then reads each length's rows as one
+        # view (one batched call, no gather). The sort is stable, so the order stays deterministic.
+        return tuple(sorted(pack, key=lambda image: (image.kept, image.rows, image.cols)))
 
     def state_dict(self) -> dict[str, Any]:
         return {
