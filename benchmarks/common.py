@@ -9,10 +9,22 @@ from __future__ import annotations
 import ctypes
 import platform
 import re
-import time
 from collections.abc import Callable, Sequence
 
 import torch
+
+from moonvit.perf import encoder_flops, matmul_peak, seconds
+
+__all__ = [
+    "PACKS",
+    "as_thw",
+    "host_line",
+    "matmul_peak",
+    "mib",
+    "model_flops",
+    "peak_extra_bytes",
+    "seconds",
+]
 
 PACKS: dict[str, list[tuple[int, ...]]] = {
     "448x448 (32x32)": [(32, 32)],
@@ -32,35 +44,9 @@ def as_thw(grids: Sequence[Sequence[int]]) -> torch.Tensor:
     return torch.tensor([(1, *g) if len(g) == 2 else tuple(g) for g in grids], dtype=torch.int64)
 
 
-def seconds(fn: Callable[[], object], device: torch.device | None = None) -> float:
-    """Wall time of one call of ``fn`` (synchronising CUDA around it)."""
-    cuda = device is not None and device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if cuda:
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
-
-
-def matmul_peak(dtype: torch.dtype, n: int = 4096, repeats: int = 3, device: str | torch.device = "cpu") -> float:
-    """Best FLOP/s of an n x n x n matmul in ``dtype`` on ``device``."""
-    device = torch.device(device)
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    a @ b
-    best = min(seconds(lambda: a @ b, device) for _ in range(repeats))
-    return 2 * n**3 / best
-
-
 def model_flops(grids: Sequence[Sequence[int]], hidden: int, mlp: int, depth: int, patch: int = 14) -> float:
-    """Matmul FLOPs of one forward over (h, w) or (t, h, w) grids: patch embedding, projections,
-    MLP and attention (each item attends over its t * h * w patches)."""
-    lengths = [int(torch.tensor(g).prod()) for g in grids]
-    patches = sum(lengths)
-    per_block = 2 * patches * (4 * hidden * hidden + 2 * hidden * mlp) + sum(4 * n**2 * hidden for n in lengths)
-    return 2 * patches * 3 * patch * patch * hidden + depth * per_block
+    """Matmul FLOPs of one forward over (h, w) or (t, h, w) grids (see :func:`moonvit.perf.encoder_flops`)."""
+    return encoder_flops([int(torch.tensor(g).prod()) for g in grids], hidden, mlp, depth, patch)
 
 
 def peak_extra_bytes(fn: Callable[[], object]) -> int | None:

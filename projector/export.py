@@ -34,7 +34,6 @@ import collections
 import hashlib
 import itertools
 import json
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from tqdm import tqdm
 
@@ -63,6 +61,7 @@ from moonvit.cli import (
     positive_int,
     torch_dtype,
 )
+from moonvit.distributed import Ranks, close_ranks, init_ranks
 from moonvit.encode import EncodedPack, encode_pack
 from moonvit.files import save_safetensors_atomic, sha256_file, write_text_atomic
 from moonvit.media.packing import group_into_packs, plan_pack_item, plan_video_items
@@ -235,52 +234,6 @@ def split_balanced(costs: Sequence[int], parts: int) -> list[range]:
 
 
 # ---- processes -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """This process's place in the job: torchrun's RANK / WORLD_SIZE / LOCAL_RANK, or one process."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1 or dist.is_initialized()
-
-    def all_gather(self, value: Any) -> list[Any]:
-        """Every rank's ``value``, in rank order."""
-        if not self.distributed:
-            return [value]
-        values: list[Any] = [None] * self.world_size
-        dist.all_gather_object(values, value)
-        return values
-
-    def from_main(self, value: Any) -> Any:
-        """Rank 0's ``value`` on every rank."""
-        if not self.distributed:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-
-def init_ranks(device: str) -> tuple[Ranks, torch.device]:
-    """Join torchrun's process group (NCCL for CUDA, gloo otherwise) and pick this rank's device."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return Ranks(), torch.device(device)
-    ranks = Ranks(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
-    target = torch.device(device)
-    if target.type == "cuda":
-        target = torch.device("cuda", ranks.local_rank)
-        torch.cuda.set_device(target)
-    dist.init_process_group(backend="nccl" if target.type == "cuda" else "gloo")
-    return ranks, target
 
 
 def plan_all(images: Sequence[InputImage], models: Models, budget: int, ranks: Ranks) -> list[PlannedImage]:
@@ -612,8 +565,7 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
     try:
         return _export(args, ranks, device)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_ranks()
 
 
 def _export(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> dict[str, Any]:

@@ -1,0 +1,46 @@
+"""What an MFU figure needs: the encoder's FLOP count, the machine's matmul peak, a synchronised timer.
+
+Shared by the trainer's progress line and the benchmarks, so that both report the same MFU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["encoder_flops", "matmul_peak", "seconds"]
+
+
+def encoder_flops(seqlens: Sequence[int], hidden: int, mlp: int, depth: int, patch: int = 14) -> float:
+    """Matmul FLOPs of one forward over items of ``seqlens`` packed rows each: patch embedding,
+    projections, MLP and attention (each item attends over its own rows).
+
+    A training step (forward and backward) costs about 3x this.
+    """
+    patches = sum(seqlens)
+    per_block = 2 * patches * (4 * hidden * hidden + 2 * hidden * mlp) + sum(4 * n**2 * hidden for n in seqlens)
+    return 2 * patches * 3 * patch * patch * hidden + depth * per_block
+
+
+def seconds(fn: Callable[[], object], device: torch.device | None = None) -> float:
+    """Wall time of one call of ``fn`` (synchronising CUDA around it)."""
+    cuda = device is not None and device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 4096, repeats: int = 3, device: str | torch.device = "cpu") -> float:
+    """Best FLOP/s of an n x n x n matmul in ``dtype`` on ``device``."""
+    device = torch.device(device)
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    a @ b
+    best = min(seconds(lambda: a @ b, device) for _ in range(repeats))
+    return 2 * n**3 / best

@@ -1,0 +1,327 @@
+"""`python -m train`: the plan, packing, rendering, the optimiser's groups, the whole run, resume and bad input."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from eval.datasets import Split
+from moonvit import MoonViT, MoonViTImageProcessor, build_packed_grid, patchify, preset_config
+from train.augment import AugmentConfig, mix_images
+from train.batch import ImageSource, render_pack
+from train.loop import main
+from train.optim import OptimConfig, lr_factor, param_groups
+from train.plan import ImageStream, Packer, PlannedImage, Resolution, TokenDrop, default_lookahead
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--objective", "supervised", "--preset", "tiny", "--dataset", "digits", "--threads", "1", "--no-progress"]
+RUN = [*TINY, "--resolution", "28", "--batch-patches", "1024", "--token-drop", "0.25", "--drop-path", "0.1"]
+RUN += ["--hflip", "0", "--lr", "3e-3", "--evals", "1"]
+MIXED = ["--resolution", "28", "56", "--cutmix", "1.0", "--mixup", "0.2", "--hflip", "0.5"]
+"""Every random part on: mixed resolutions, Mixup / CutMix, flips (besides RandAugment, token drop, drop path)."""
+
+
+def train(*args: str | Path) -> dict:
+    previous = torch.get_num_threads()
+    try:
+        return main([str(a) for a in args])
+    finally:
+        torch.set_num_threads(previous)
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "checkpoint" / "model.safetensors")
+
+
+# ---- plan and packing -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sizes, side",
+    [
+        (np.tile([28, 28], (5000, 1)), (56, 112)),  # Fashion-MNIST's size, NaViT range
+        (np.tile([8, 8], (1500, 1)), (28, 56)),  # digits
+        (np.stack([np.random.default_rng(0).integers(64, 512, 4000)] * 2, 1) * [1, 2] // [1, 3], (56, 224)),
+    ],
+)
+def test_packs_use_at_least_98_percent_of_the_budget(sizes, side):
+    resolution = Resolution(*side, max_patches=4096)
+    for drop in (TokenDrop(), TokenDrop(0.5, 0.5), TokenDrop(0.6, 0.1)):
+        stream = ImageStream(sizes, resolution, drop, seed=0)
+        packer = Packer(stream, 4096, default_lookahead(4096, 40))
+        packs = [packer.next_pack(step / 100) for step in range(100)]
+        used = [sum(item.kept for item in pack) for pack in packs]
+        assert max(used) <= 4096
+        assert np.mean(used) / 4096 >= 0.98, (drop, np.mean(used) / 4096)
+
+
+def test_every_image_comes_once_per_epoch_and_the_plan_resumes_exactly():
+    sizes = np.tile([28, 28], (300, 1))
+    resolution = Resolution(28, 84, max_patches=512)
+    stream = ImageStream(sizes, resolution, TokenDrop(0.5, 0.0), seed=3)
+    packer = Packer(stream, 512, 64)
+    first = [packer.next_pack(0.1) for _ in range(5)]
+    state = packer.state_dict()
+    rest = [packer.next_pack(0.2) for _ in range(20)]
+    seen = [item.index for pack in first + rest for item in pack]
+    assert sorted(seen[:300]) != seen[:300] and len(set(seen[:280])) == 280  # shuffled, no repeats early on
+
+    again = Packer(ImageStream(sizes, resolution, TokenDrop(0.5, 0.0), seed=3), 512, 64)
+    again.load_state_dict(state)
+    assert [again.next_pack(0.2) for _ in range(20)] == rest
+
+
+def test_token_drop_counts_kept_patches_and_follows_its_schedule():
+    drop = TokenDrop.parse("0.6:0.2")
+    assert drop.rate(0) == 0.6 and drop.rate(1) == pytest.approx(0.2) and drop.rate(0.5) == pytest.approx(0.4)
+    assert drop.kept(16, 0.0) == 6 and TokenDrop.parse("0.5").kept(16, 0.7) == 8
+    with pytest.raises(ValueError, match="START:END"):
+        TokenDrop.parse("a:b")
+
+
+def test_resolution_keeps_the_aspect_ratio_on_merge_units_within_the_budget():
+    resolution = Resolution(56, 112, max_patches=256)
+    assert resolution.grid(28, 28, 0.0) == (4, 4) and resolution.grid(28, 28, 1.0) == (8, 8)
+    rows, cols = resolution.grid(200, 100, 1.0)  # (width, height)
+    assert (rows, cols) == (8, 16)
+    rows, cols = Resolution(448, 448, max_patches=256).grid(300, 100, 1.0)
+    assert rows * cols <= 256 and rows % 2 == 0 and cols % 2 == 0 and cols > 2 * rows
+
+
+# ---- rendering --------------------------------------------------------------------------------
+
+
+def test_kept_patches_are_the_full_images_patches_with_their_positions():
+    images = np.random.default_rng(0).integers(0, 256, (3, 28, 28), dtype=np.uint8)
+    source = ImageSource(Split(images, np.array([0, 1, 2])), MoonViTImageProcessor())
+    config = preset_config("tiny")
+    items = [PlannedImage(i, 4, 4, 16 if i == 1 else 7, seed=10 + i) for i in range(3)]
+    batch = render_pack(items, source, config, None)
+    full = render_pack([PlannedImage(i, 4, 4, 16, 10 + i) for i in range(3)], source, config, None)
+    full_grid = build_packed_grid([[4, 4]] * 3, config)
+    rows = []
+    for i, item in enumerate(items):
+        keep = (
+            torch.arange(16)
+            if item.kept == 16
+            else torch.from_numpy(np.sort(np.random.default_rng(item.seed).choice(16, 7, replace=False)))
+        )
+        rows.append(16 * i + keep)
+    rows = torch.cat(rows)
+    assert batch.grid.seqlens == (7, 16, 7)
+    assert torch.equal(batch.pixel_values, full.pixel_values[rows])
+    assert torch.equal(batch.grid.positions, full_grid.positions[rows])
+    assert torch.equal(batch.grid.rope_rotation, full_grid.rope_rotation[rows])
+
+
+def test_cutmix_labels_weigh_the_kept_patches_each_image_shows():
+    rng = np.random.default_rng(0)
+    images = [np.full((56, 56), 10 * (i + 1), dtype=np.uint8) for i in range(4)]
+    keeps = [None, np.array([0, 1, 2, 3, 5, 15]), None, np.arange(0, 16, 2)]
+    mixed = mix_images(images, [(4, 4)] * 4, keeps, 14, AugmentConfig(cutmix=1.0), rng)
+    assert mixed.partner.tolist() == [1, 2, 3, 0]
+    for i, image in enumerate(images):
+        own = patchify(torch.from_numpy(image)[None], 14)[:, 0, 0, 0] == 10 * (i + 1)
+        kept = torch.arange(16) if keeps[i] is None else torch.from_numpy(keeps[i])
+        assert mixed.lam[i] == pytest.approx(own[kept].float().mean().item())
+
+
+# ---- optimisation -----------------------------------------------------------------------------
+
+
+def test_no_decay_on_norms_biases_and_the_position_table_and_layer_decay_by_depth():
+    encoder = MoonViT(preset_config("tiny"))
+    head = torch.nn.Linear(64, 3)
+    groups = param_groups(encoder, head, OptimConfig(lr=1.0, head_lr=5.0, weight_decay=0.1, layer_decay=0.5))
+    decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    names = {id(p): n for n, p in encoder.named_parameters()}
+    assert all(names[i].endswith("weight") and "norm" not in names[i] for i in decayed if i in names)
+    assert id(encoder.patch_embed.pos_emb.weight) not in decayed
+    lr_of = {id(p): g["lr"] for g in groups for p in g["params"]}
+    assert lr_of[id(encoder.patch_embed.proj.weight)] == 0.5**3  # depth 0 of 2 blocks + final norm
+    assert lr_of[id(encoder.encoder.blocks[1].wqkv.weight)] == 0.5
+    assert lr_of[id(encoder.encoder.final_layernorm.weight)] == 1.0
+    assert lr_of[id(head.weight)] == 5.0
+
+
+def test_warmup_then_cosine():
+    factors = [lr_factor(s, 100, 10, 0.01) for s in range(100)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == 1.0 and factors[-1] == pytest.approx(0.01)
+    assert all(a >= b for a, b in itertools.pairwise(factors[9:]))
+
+
+# ---- whole runs -------------------------------------------------------------------------------
+
+
+def test_smoke_run_writes_a_loadable_encoder_a_head_results_and_curves(tmp_path):
+    results = train(*RUN, "--smoke", "--out", tmp_path)
+    assert results["test"]["top1"] > 0.3  # 10 classes: chance is 0.1
+    assert results["utilisation"] >= 0.98
+    encoder = MoonViT.from_pretrained(tmp_path / "checkpoint")
+    assert encoder.config.drop_path_rate == 0.0 and encoder.config.num_hidden_layers == 2
+    assert (tmp_path / "head.safetensors").is_file() and (tmp_path / "curves.png").is_file()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 31))
+    assert {"loss", "lr", "images_per_s", "patches_per_s", "mfu", "utilisation"} <= records[0].keys()
+    # the rerun of a finished run changes nothing
+    before = (tmp_path / "results.json").read_text()
+    assert train(*RUN, "--smoke", "--out", tmp_path)["test"] == results["test"]
+    assert (tmp_path / "results.json").read_text() == before
+
+
+def test_a_sigkill_then_the_same_command_gives_the_uninterrupted_weights(tmp_path):
+    args = [*RUN, *MIXED, "--steps", "12", "--save-every", "3"]
+    train(*args, "--out", tmp_path / "straight")
+    command = [sys.executable, "-m", "train", *args, "--out", str(tmp_path / "killed")]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and process.poll() is None:
+        if log.is_file() and log.read_text().count('"train"') >= 5:
+            break
+        time.sleep(0.02)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (tmp_path / "killed" / "results.json").exists()
+    train(*args, "--out", tmp_path / "killed")
+    straight, resumed = weights(tmp_path / "straight"), weights(tmp_path / "killed")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert (tmp_path / "killed" / "metrics.jsonl").read_text().count('"train"') == 12
+
+
+def test_a_changed_argument_is_refused_naming_it(tmp_path):
+    train(*RUN, "--steps", "2", "--out", tmp_path)
+    with pytest.raises(SystemExit, match="--lr = 0.003, but this command gives 0.001"):
+        train(*RUN, "--steps", "2", "--lr", "1e-3", "--out", tmp_path)
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+
+def image_folder(root: Path, classes: dict[str, int]) -> Path:
+    for name, count in classes.items():
+        (root / name).mkdir(parents=True)
+        for i in range(count):
+            Image.new("RGB", (30, 20), (i * 20, 0, 0)).save(root / name / f"{i}.png")
+    return root
+
+
+def test_an_empty_or_one_class_dataset_is_refused(tmp_path):
+    (tmp_path / "empty" / "a").mkdir(parents=True)
+    with pytest.raises(SystemExit, match="no class subfolders with images"):
+        train(*TINY, "--dataset", f"imagefolder:{tmp_path / 'empty'}", "--smoke", "--out", tmp_path / "o1")
+    one = image_folder(tmp_path / "one", {"cat": 6})
+    with pytest.raises(SystemExit, match="single class in its train split \\('cat'"):
+        train(*TINY, "--dataset", f"imagefolder:{one}", "--smoke", "--out", tmp_path / "o2")
+
+
+def test_a_budget_below_one_image_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="--batch-patches 8 is below one image: a 56 px image has 4x4 = 16"):
+        train(*TINY, "--smoke", "--resolution", "56", "--batch-patches", "8", "--out", tmp_path)
+
+
+def test_a_checkpoint_of_another_shape_is_refused(tmp_path):
+    tiny = MoonViT(preset_config("tiny"))
+    tiny.save_pretrained(tmp_path / "tower")
+    state = tiny.state_dict()
+    state["encoder.blocks.0.wqkv.weight"] = torch.zeros(5, 64)
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "tower" / "model.safetensors")
+    args = [*TINY[:2], *TINY[4:], "--smoke", "--out", tmp_path / "run"]
+    with pytest.raises(SystemExit, match="cannot load --checkpoint .*wqkv"):
+        train(*args, "--checkpoint", tmp_path / "tower")
+    # a resumed run whose --checkpoint folder now holds another shape
+    MoonViT(preset_config("tiny")).save_pretrained(tmp_path / "tower")
+    train(*args, "--checkpoint", tmp_path / "tower", "--steps", "2")
+    MoonViT(preset_config("tiny", num_hidden_layers=3)).save_pretrained(tmp_path / "tower")
+    with pytest.raises(SystemExit, match="encoder = '2 blocks x 64.*'3 blocks x 64"):
+        train(*args, "--checkpoint", tmp_path / "tower", "--steps", "2")
+
+
+def test_a_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    from train.objectives.supervised import SupervisedObjective
+
+    original = SupervisedObjective.forward
+    calls = {"n": 0}
+
+    def poisoned(self, encoder, batch):
+        calls["n"] += 1
+        output = original(self, encoder, batch)
+        if calls["n"] > 4:
+            output.loss_sum = output.loss_sum * float("nan")
+        return output
+
+    monkeypatch.setattr(SupervisedObjective, "forward", poisoned)
+    with pytest.raises(SystemExit, match="the loss is nan .* at step 5.*from step 3, is kept"):
+        train(*RUN, "--steps", "10", "--save-every", "3", "--out", tmp_path)
+    state = torch.load(tmp_path / "state" / "last.pt", weights_only=False)
+    assert state["step"] == 3 and all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_help_documents_every_flag():
+    result = subprocess.run([sys.executable, "-m", "train", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0
+    for flag in (
+        "--token-drop",
+        "--batch-patches",
+        "--packs-per-step",
+        "--minutes",
+        "--fsdp",
+        "--layer-decay",
+        "--head-lr",
+        "--mixup",
+        "--cutmix",
+        "--randaugment",
+        "--smoke",
+        "--save-every",
+        "torchrun",
+    ):
+        assert flag in result.stdout
+
+
+# ---- distributed ------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_rank_gloo_ddp_equals_one_process_with_the_same_global_packs(tmp_path):
+    args = [*RUN, *MIXED, "--steps", "12", "--packs-per-step", "2"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--master-port", str(free_port()), "-m", "train", *args, "--out", str(tmp_path / "ddp")]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    train(*args, "--out", tmp_path / "one")
+    one, two = weights(tmp_path / "one"), weights(tmp_path / "ddp")
+    assert max(float((one[k] - two[k]).norm() / one[k].norm()) for k in one) <= 1e-5
+    assert json.loads((tmp_path / "ddp" / "results.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_two_rank_fsdp2_equals_one_process_in_fp32(tmp_path):
+    args = [*RUN, "--steps", "6", "--packs-per-step", "2", "--dtype", "fp32"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--master-port", str(free_port()), "-m", "train", *args, "--fsdp", "--out", str(tmp_path / "fsdp")]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    train(*args, "--out", tmp_path / "one")
+    one, two = weights(tmp_path / "one"), weights(tmp_path / "fsdp")
+    assert max(float((one[k] - two[k]).norm() / one[k].norm()) for k in one) <= 1e-5

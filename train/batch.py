@@ -1,0 +1,136 @@
+"""From planned images to a batch the encoder takes: pixels decoded, resized, augmented, cut into
+patches, the dropped patches left out, and the pack's grid metadata built.
+
+A :class:`Batch` holds only the kept patches of each image; its grid gives every kept patch the
+position-table row and RoPE angles of its place in the image's full grid
+(``build_packed_grid(..., keep=...)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+
+from eval.datasets import Split
+from moonvit import MoonViTConfig, MoonViTImageProcessor, PackedGrid, build_packed_grid, image_size, patchify
+
+from .augment import AugmentConfig, Mixed, augment_image, mix_images
+from .plan import PlannedImage
+
+__all__ = ["Batch", "ImageSource", "render_pack"]
+
+
+class ImageSource:
+    """The images and labels of a split (or of some of its rows) as Pillow images, with their sizes.
+
+    Arrays of (N, H, W) uint8 give grayscale ("L") images, (N, H, W, 3) RGB ones; files are decoded
+    by the processor's loader (RGB, EXIF orientation, transparency).
+    """
+
+    def __init__(self, split: Split, processor: MoonViTImageProcessor, rows: np.ndarray | None = None) -> None:
+        self.split = split
+        self.processor = processor
+        self.rows = np.arange(len(split)) if rows is None else np.asarray(rows, dtype=np.int64)
+        self.labels = np.asarray(split.labels)[self.rows]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def sizes(self) -> np.ndarray:
+        """(N, 2) int64 native (width, height) of each image (file headers only, for files)."""
+        images = self.split.images
+        if isinstance(images, np.ndarray):
+            return np.tile(np.array([images.shape[2], images.shape[1]], dtype=np.int64), (len(self), 1))
+        return np.array([image_size(images[int(row)]) for row in self.rows], dtype=np.int64).reshape(-1, 2)
+
+    def image(self, index: int) -> Image.Image:
+        """Image ``index`` (a position in this source)."""
+        images = self.split.images
+        row = int(self.rows[index])
+        if isinstance(images, np.ndarray):
+            return Image.fromarray(images[row])
+        return self.processor.load_image(images[row])
+
+
+@dataclass
+class Batch:
+    """One pack of N images, L kept patches.
+
+    Attributes:
+        pixel_values: (L, 3, p, p) float32, normalised like the processor's output; each image's
+            kept patches in raster order, images concatenated.
+        grid: the pack's grid metadata (full grids, kept patches).
+        labels: (N,) int64 class of each image.
+        partner: (N,) int64 pack index of the image each was mixed with (itself when not mixed).
+        lam: (N,) float32 weight of each image's own label.
+    """
+
+    pixel_values: torch.Tensor
+    grid: PackedGrid
+    labels: torch.Tensor
+    partner: torch.Tensor
+    lam: torch.Tensor
+
+    @property
+    def num_images(self) -> int:
+        return self.grid.num_images
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(
+            self.pixel_values.to(device),
+            self.grid.to(device),
+            self.labels.to(device),
+            self.partner.to(device),
+            self.lam.to(device),
+        )
+
+
+def render_pack(
+    items: Sequence[PlannedImage],
+    source: ImageSource,
+    encoder_config: MoonViTConfig,
+    augment: AugmentConfig | None,
+    mix_rng: np.random.Generator | None = None,
+) -> Batch:
+    """Decode, resize, augment (unless ``augment`` is None), mix and patchify a pack's images.
+
+    Each image's randomness (crop, flip, RandAugment, which patches are kept) comes from its own
+    seed; mixing draws from ``mix_rng`` (needed when ``augment`` mixes).
+    """
+    p = encoder_config.patch_size
+    arrays, keeps = [], []
+    for item in items:
+        rng = np.random.default_rng(item.seed)
+        image = augment_image(source.image(item.index), (item.cols * p, item.rows * p), augment, rng)
+        arrays.append(np.array(image))
+        keeps.append(None if item.kept == item.patches else np.sort(rng.choice(item.patches, item.kept, replace=False)))
+    grids = [(item.rows, item.cols) for item in items]
+    mixed = Mixed.unmixed(len(items))
+    if augment is not None and augment.mixing:
+        if mix_rng is None:
+            raise ValueError("mixing needs a generator")
+        mixed = mix_images(arrays, grids, keeps, p, augment, mix_rng)
+
+    patches = []
+    for array, keep in zip(arrays, keeps):
+        pixels = torch.from_numpy(array)
+        pixels = pixels.unsqueeze(0).expand(3, -1, -1) if pixels.ndim == 2 else pixels.permute(2, 0, 1)
+        cut = patchify(pixels, p)
+        patches.append(cut if keep is None else cut[torch.from_numpy(keep)])
+    dropped = any(keep is not None for keep in keeps)
+    keep_index = None
+    if dropped:
+        keep_index = [torch.arange(r * c) if k is None else torch.from_numpy(k) for k, (r, c) in zip(keeps, grids)]
+    grid = build_packed_grid(torch.tensor(grids, dtype=torch.int64), encoder_config, keep=keep_index)
+    labels = torch.from_numpy(source.labels[[item.index for item in items]])
+    return Batch(
+        source.processor.normalize(torch.cat(patches)),
+        grid,
+        labels,
+        torch.from_numpy(mixed.partner),
+        torch.from_numpy(mixed.lam),
+    )

@@ -1,0 +1,248 @@
+"""The trainer's command line: every flag, its checks, ``--smoke``, and which flags define the run.
+
+Flags that change what is trained (data, model, recipe, length, seed) are *run-defining*: rerunning
+into an ``--out`` that holds a run started with other values is refused, naming the flag. The
+others (threads, device, saving and validation cadence, progress bar) may change between a run and
+its resumption.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import moonvit
+from eval.datasets import DEFAULT_FASHION_MNIST_DIR
+from moonvit.cli import (
+    add_device_argument,
+    add_dtype_argument,
+    add_threads_argument,
+    fraction,
+    non_negative_int,
+    output_dir,
+    positive_int,
+)
+
+from .objectives import OBJECTIVES
+from .plan import TokenDrop
+
+__all__ = ["NOT_RUN_DEFINING", "SMOKE", "build_parser", "parse_args", "run_defining"]
+
+NOT_RUN_DEFINING = frozenset({"out", "threads", "device", "save_every", "evals", "progress", "peak_tflops", "data_dir"})
+"""Arguments that may differ between a run and its resumption (they do not change the weights)."""
+
+SMOKE = {"steps": 30, "eval_limit": 256, "evals": 2}
+"""What ``--smoke`` sets: 30 steps (unless a length is given) and evaluations on at most 256 images."""
+
+
+def non_negative_float(text: str) -> float:
+    """A number of at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    """A number in [0, 1]."""
+    value = non_negative_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1], got {text}")
+    return value
+
+
+def token_drop(text: str) -> TokenDrop:
+    try:
+        return TokenDrop.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m train",
+        description="Train a MoonViT encoder on packed native-resolution images. Rerunning the same command "
+        "resumes from the last checkpoint in --out.",
+        epilog="Data-parallel: torchrun --nproc-per-node K -m train ... (gloo on CPU, NCCL on GPUs; each rank "
+        "takes its share of every step's packs).",
+    )
+    run = parser.add_argument_group("run")
+    run.add_argument("--objective", required=True, choices=sorted(OBJECTIVES), help="what the encoder learns")
+    run.add_argument("--out", type=output_dir, required=True, help="output folder (resumed if it holds this run)")
+    length = run.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=positive_int, help="optimizer steps")
+    length.add_argument("--epochs", type=float, help="passes over the training images (the step count is derived)")
+    length.add_argument(
+        "--minutes",
+        type=float,
+        help="training time: the step count is fixed before step 0 from timed steps (validation included; "
+        "the final test evaluation and export come after)",
+    )
+    run.add_argument("--seed", type=int, default=0, help="seed of initialisation, plan, augmentation (default: 0)")
+    run.add_argument("--smoke", action="store_true", help="a quick end-to-end check: 30 steps, small evaluations")
+
+    model = parser.add_argument_group("model")
+    source = model.add_mutually_exclusive_group(required=True)
+    source.add_argument("--preset", choices=sorted(moonvit.PRESETS), help="a randomly initialised encoder size")
+    source.add_argument("--checkpoint", type=Path, help="start from this tower (Kimi-VL or this project's folder)")
+    model.add_argument("--depth", type=positive_int, help="with --preset: number of blocks")
+    model.add_argument("--width", type=positive_int, help="with --preset: hidden size")
+    model.add_argument("--heads", type=positive_int, help="with --preset: attention heads")
+    model.add_argument("--mlp-width", type=positive_int, help="with --preset: MLP hidden size")
+    model.add_argument(
+        "--drop-path",
+        type=non_negative_float,
+        default=0.05,
+        help="stochastic depth at the last block, drawn per image, growing linearly from 0 (default: 0.05)",
+    )
+    model.add_argument("--grad-checkpointing", action="store_true", help="recompute blocks in backward (less memory)")
+
+    data = parser.add_argument_group("data")
+    data.add_argument("--dataset", required=True, help="fashion-mnist, digits or imagefolder:DIR (its train split)")
+    data.add_argument("--data-dir", type=Path, help=f"Fashion-MNIST IDX folder (default: {DEFAULT_FASHION_MNIST_DIR})")
+    data.add_argument(
+        "--val-fraction",
+        type=fraction,
+        default=0.1,
+        help="stratified share of train held out for validation (default: 0.1); the test split is scored once, "
+        "at the end",
+    )
+    data.add_argument(
+        "--resolution",
+        type=positive_int,
+        nargs="+",
+        default=[56, 112],
+        metavar="PX",
+        help="short side in px, drawn per image uniformly in MIN MAX (one value: fixed), aspect kept, rounded to 28 px "
+        "(default: 56 112)",
+    )
+    data.add_argument(
+        "--eval-resolution", type=positive_int, help="short side for validation and test (default: the largest)"
+    )
+    data.add_argument(
+        "--batch-patches",
+        type=positive_int,
+        default=4096,
+        help="patch budget of one pack (kept patches, after token dropping) (default: 4096)",
+    )
+    data.add_argument(
+        "--packs-per-step",
+        type=positive_int,
+        help="packs per optimizer step, shared out over the ranks (default: the number of ranks)",
+    )
+    data.add_argument(
+        "--token-drop",
+        type=token_drop,
+        default=TokenDrop(),
+        metavar="RATE|START:END",
+        help="share of each image's patches dropped before packing, fixed or moving linearly over the run (default: 0)",
+    )
+
+    augment = parser.add_argument_group("augmentation")
+    augment.add_argument(
+        "--randaugment",
+        type=non_negative_float,
+        nargs=2,
+        default=[2, 9],
+        metavar=("OPS", "MAGNITUDE"),
+        help="RandAugment operations per image and magnitude 0-10; 0 ops: off (default: 2 9)",
+    )
+    augment.add_argument("--hflip", type=probability, default=0.5, help="horizontal flip probability (default: 0.5)")
+    augment.add_argument(
+        "--crop-scale",
+        type=probability,
+        default=1.0,
+        help="random crop of this share to all of the area (default: 1: off)",
+    )
+    augment.add_argument("--mixup", type=non_negative_float, default=0.0, help="Mixup Beta(a, a); 0: off (default)")
+    augment.add_argument("--cutmix", type=non_negative_float, default=0.0, help="CutMix Beta(a, a); 0: off (default)")
+    augment.add_argument(
+        "--mix-prob", type=probability, default=1.0, help="probability an image is mixed, when mixing (default: 1)"
+    )
+
+    optim = parser.add_argument_group("optimisation")
+    optim.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of the encoder (default: 2e-3)")
+    optim.add_argument("--head-lr", type=float, help="peak learning rate of the objective's head (default: --lr)")
+    optim.add_argument("--min-lr-ratio", type=probability, default=0.01, help="final lr / peak lr (default: 0.01)")
+    optim.add_argument(
+        "--warmup", type=probability, default=0.05, help="warmup share of the steps, linear (default: 0.05)"
+    )
+    optim.add_argument("--weight-decay", type=non_negative_float, default=0.05, help="AdamW decay (default: 0.05)")
+    optim.add_argument(
+        "--layer-decay",
+        type=probability,
+        default=1.0,
+        help="layer-wise lr decay for fine-tuning, e.g. 0.75 (default: 1, off)",
+    )
+    optim.add_argument(
+        "--clip-grad", type=non_negative_float, default=1.0, help="gradient norm clip; 0: off (default: 1)"
+    )
+    add_dtype_argument(parser, "bf16", "autocast dtype of forward and backward (weights stay fp32)", ("bf16", "fp32"))
+    optim.add_argument("--fsdp", action="store_true", help="under torchrun: shard weights with FSDP2 instead of DDP")
+
+    runtime = parser.add_argument_group("runtime")
+    add_device_argument(parser)
+    add_threads_argument(parser)
+    runtime.add_argument(
+        "--save-every",
+        type=non_negative_int,
+        default=200,
+        help="checkpoint every N steps; 0: at the end only (default: 200)",
+    )
+    runtime.add_argument(
+        "--evals", type=non_negative_int, default=10, help="validations spread over the run (default: 10)"
+    )
+    runtime.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    runtime.add_argument(
+        "--peak-tflops", type=float, help="matmul peak per process for MFU (default: measured at start)"
+    )
+
+    for cls in OBJECTIVES.values():
+        cls.add_arguments(parser.add_argument_group(f"--objective {cls.name}"))  # type: ignore[arg-type]
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check the command line; ``--smoke`` fills in its settings. Errors exit with status 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if len(args.resolution) > 2:
+        parser.error(f"--resolution takes MIN [MAX], got {len(args.resolution)} values")
+    args.resolution = sorted(args.resolution) * (2 if len(args.resolution) == 1 else 1)
+    if args.eval_resolution is None:
+        args.eval_resolution = args.resolution[1]
+    if args.checkpoint is not None and any(
+        getattr(args, name) is not None for name in ("depth", "width", "heads", "mlp_width")
+    ):
+        parser.error("--depth / --width / --heads / --mlp-width shape a --preset; a --checkpoint has its own shape")
+    if args.drop_path >= 1:
+        parser.error(f"--drop-path must be below 1, got {args.drop_path}")
+    for name in ("lr", "head_lr"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if (args.epochs is not None and args.epochs <= 0) or (args.minutes is not None and args.minutes <= 0):
+        parser.error("--epochs and --minutes must be positive")
+    args.eval_limit = None
+    if args.smoke:
+        args.eval_limit = SMOKE["eval_limit"]
+        args.evals = min(args.evals, SMOKE["evals"])
+        if args.steps is None and args.epochs is None and args.minutes is None:
+            args.steps = SMOKE["steps"]
+    if args.steps is None and args.epochs is None and args.minutes is None:
+        parser.error("give the run's length: --steps, --epochs or --minutes (or --smoke)")
+    return args
+
+
+def run_defining(args: argparse.Namespace) -> dict[str, Any]:
+    """The arguments that define the run, by flag, as plain values (the resume check compares these)."""
+    values = {}
+    for name, value in vars(args).items():
+        if name in NOT_RUN_DEFINING:
+            continue
+        values[f"--{name.replace('_', '-')}"] = str(value) if isinstance(value, (Path, TokenDrop)) else value
+    return values

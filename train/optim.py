@@ -1,0 +1,95 @@
+"""AdamW with the ViT recipe's parameter groups, and the warmup + cosine learning-rate schedule.
+
+Groups: weight decay on matrices only (none on norms, biases and the position table); with
+``layer_decay`` < 1 (fine-tuning a pretrained tower) each encoder depth gets
+``lr * layer_decay ** (depth + 1 - d)``: the patch embedding is depth 0, block i depth i + 1, the
+final norm depth ``num_layers + 1`` (full rate); the objective's own parameters (a new head) get
+``head_lr``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from moonvit import MoonViT
+
+__all__ = ["OptimConfig", "build_optimizer", "build_schedule", "lr_factor", "param_groups"]
+
+NO_DECAY_NAMES = ("pos_emb.weight",)
+"""Parameters besides norms and biases (every 1-D tensor) that are not weight-decayed."""
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float
+    head_lr: float
+    weight_decay: float
+    layer_decay: float
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+def encoder_depth(name: str, num_layers: int) -> int:
+    """Depth of an encoder parameter for layer-wise decay: 0 embedding, i + 1 block i, num_layers + 1 final norm."""
+    block = re.match(r"encoder\.blocks\.(\d+)\.", name)
+    if block:
+        return int(block.group(1)) + 1
+    return 0 if name.startswith("patch_embed.") else num_layers + 1
+
+
+def param_groups(encoder: MoonViT, objective: nn.Module, config: OptimConfig) -> list[dict]:
+    """AdamW parameter groups (see the module docstring); each carries its own base ``lr``."""
+    num_layers = encoder.config.num_hidden_layers
+    groups: dict[tuple[str, int], dict] = {}
+
+    def add(param: nn.Parameter, name: str, lr: float, part: str, depth: int) -> None:
+        decay = param.ndim > 1 and not name.endswith(NO_DECAY_NAMES)
+        key = (f"{part}.{'decay' if decay else 'no_decay'}", depth)
+        group = groups.setdefault(
+            key,
+            {
+                "params": [],
+                "lr": lr,
+                "weight_decay": config.weight_decay if decay else 0.0,
+                "name": f"{key[0]}.{depth}",
+            },
+        )
+        group["params"].append(param)
+
+    for name, param in encoder.named_parameters():
+        if param.requires_grad:
+            depth = encoder_depth(name, num_layers)
+            add(param, name, config.lr * config.layer_decay ** (num_layers + 1 - depth), "encoder", depth)
+    for name, param in objective.named_parameters():
+        if param.requires_grad:
+            add(param, name, config.head_lr, "objective", 0)
+    return list(groups.values())
+
+
+def build_optimizer(groups: list[dict], config: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW, fused where this torch has a fused kernel for the device (several times faster on CPU)."""
+    try:
+        return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, fused=True)
+    except (RuntimeError, TypeError):  # no fused kernel here (device, dtype or parameter type)
+        return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, foreach=device.type == "cuda")
+
+
+def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Learning-rate multiplier at ``step``: linear warmup from ~0 over ``warmup`` steps, then a half
+    cosine from 1 down to ``min_ratio`` at the last step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    span = max(total - 1 - warmup, 1)
+    progress = min((step - warmup) / span, 1.0)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_schedule(
+    optimizer: torch.optim.Optimizer, total: int, warmup: int, min_ratio: float
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The per-step schedule of every group (each keeps its own base lr)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, warmup, min_ratio))
