@@ -8,7 +8,9 @@ Sections, each measured within this one run:
 2. token dropping: images/s at --token-drop 0.5 against none, at the same patch budget;
 3. packed against padded: the packed step (forward + backward) against a dense (B, N, D) batch of
    the same images padded to the longest, with a key-padding mask (uniform and mixed sizes);
-4. packing utilisation on the datasets' size distributions.
+4. packing utilisation on the datasets' size distributions;
+5. MAE: the encoder's step (forward + backward) on the visible 25% of the same images against all
+   of them, and the whole MAE step (encoder + decoder + AdamW) against the supervised step.
 
 Writes benchmarks/results/bench_train.txt.
 """
@@ -27,15 +29,15 @@ import torch.nn.functional as F
 from common import host_line, matmul_peak
 
 from eval.datasets import load_dataset
-from moonvit import MoonViT, MoonViTImageProcessor, preset_config
+from moonvit import MoonViT, MoonViTImageProcessor, pool_features, preset_config
 from moonvit.cli import add_threads_argument, apply_threads
 from moonvit.model.rope import apply_rope
 from moonvit.perf import encoder_flops
 from train.augment import AugmentConfig
 from train.batch import ImageSource, render_pack
-from train.objectives import SupervisedObjective
+from train.objectives import MAEObjective, SupervisedObjective
 from train.optim import OptimConfig, build_optimizer, param_groups
-from train.plan import ImageStream, Packer, Resolution, TokenDrop, default_lookahead
+from train.plan import ImageStream, Packer, PlannedImage, Resolution, TokenDrop, default_lookahead
 
 RESULTS = Path(__file__).parent / "results" / "bench_train.txt"
 BUDGET = 4096
@@ -84,7 +86,8 @@ def dense_step(model: MoonViT, batch, dtype: torch.dtype) -> None:
     with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
         x = model.patch_embed(batch.pixel_values, grid)
         dense = x.new_zeros(count, longest, x.shape[1]).masked_scatter(valid[..., None], x)
-        rotation = torch.ones(count, longest, grid.rope_rotation.shape[1], dtype=grid.rope_rotation.dtype)
+        rotation = torch.zeros(count, longest, *grid.rope_rotation.shape[1:], dtype=grid.rope_rotation.dtype)
+        rotation[..., 0] = 1.0  # padding rows: the identity rotation (cos 1, sin 0)
         rotation[valid] = grid.rope_rotation
         rotation = rotation.flatten(0, 1)
         mask = None if bool(valid.all()) else valid[:, None, None, :]
@@ -102,8 +105,6 @@ def dense_step(model: MoonViT, batch, dtype: torch.dtype) -> None:
 def packed_step(model: MoonViT, batch, dtype: torch.dtype) -> None:
     with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
         out = model(batch.pixel_values, grid=batch.grid).last_hidden_state
-    from moonvit import pool_features
-
     pool_features(out, batch.grid).sum().backward()
 
 
@@ -193,8 +194,67 @@ def main() -> None:
             used = [sum(i.kept for i in packer.next_pack(k / 200)) for k in range(200)]
             emit(f"| {label} | {side[0]}-{side[1]} px | {drop} | {np.mean(used) / BUDGET:.2%} |")
 
+    emit("\n## 5. MAE at 75% masking (small, 112 px = 64 patches per image, bf16): the same images")
+    emit("| step | images | ms | speed-up |")
+    emit("|---|---|---|---|")
+    for row in mae_rows(source, args.repeats):
+        emit(row)
+
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
+
+
+def mae_rows(source: ImageSource, repeats: int) -> list[str]:
+    """Median times of the encoder step on whole images against the visible 25%, and of the whole
+    MAE step (decoder 2 x 128 and AdamW included) against the supervised step, on one set of images."""
+    torch.manual_seed(0)
+    model = MoonViT(preset_config("small")).train()
+    config = model.config
+    images = BUDGET // 64
+    whole = [PlannedImage(i, 8, 8, 64, 1000 + i) for i in range(images)]
+    masked = [PlannedImage(i, 8, 8, TokenDrop(0.75, 0.75).kept(64, 0.0), 1000 + i) for i in range(images)]
+    full_batch = render_pack(whole, source, config, None)
+    mae_batch = render_pack(masked, source, config, None, full_pixels=True)
+    mae = MAEObjective(config, 0.75)
+    head = SupervisedObjective(config.hidden_size, [str(i) for i in range(10)])
+    optim = OptimConfig(1e-3, 1e-3, 0.05, 1.0)
+    mae_opt = build_optimizer(param_groups(model, mae, optim), optim, torch.device("cpu"))
+    sup_opt = build_optimizer(param_groups(model, head, optim), optim, torch.device("cpu"))
+
+    def timed(fn) -> float:
+        fn()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+        return statistics.median(samples)
+
+    def whole_step(optimizer=None, objective=None, batch=full_batch):
+        def run() -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                if objective is None:
+                    loss = pool_features(model(batch.pixel_values, grid=batch.grid).last_hidden_state, batch.grid).sum()
+                else:
+                    loss = objective(model, batch).loss_sum
+            loss.float().backward()
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+        return run
+
+    encoder_full = timed(whole_step())
+    encoder_masked = timed(whole_step(batch=mae_batch))
+    supervised = timed(whole_step(sup_opt, head))
+    mae_step = timed(whole_step(mae_opt, mae, mae_batch))
+    return [
+        f"| encoder, every patch | {images} | {encoder_full * 1e3:.0f} | 1.00x |",
+        f"| encoder, visible 25% | {images} | {encoder_masked * 1e3:.0f} | {encoder_full / encoder_masked:.2f}x |",
+        f"| supervised step (head, AdamW) | {images} | {supervised * 1e3:.0f} | 1.00x |",
+        f"| MAE step (decoder 2 x 128, AdamW) | {images} | {mae_step * 1e3:.0f} | {supervised / mae_step:.2f}x |",
+    ]
 
 
 if __name__ == "__main__":

@@ -67,6 +67,10 @@ class Batch:
         labels: (N,) int64 class of each image.
         partner: (N,) int64 pack index of the image each was mixed with (itself when not mixed).
         lam: (N,) float32 weight of each image's own label.
+        full_pixels: (L_full, 3, p, p) every patch of every image, normalised, for objectives
+            that need the dropped ones too (MAE's targets); None otherwise.
+        keep: per image, the sorted indices of its kept patches in its raster; None when every
+            patch is kept.
     """
 
     pixel_values: torch.Tensor
@@ -74,6 +78,8 @@ class Batch:
     labels: torch.Tensor
     partner: torch.Tensor
     lam: torch.Tensor
+    full_pixels: torch.Tensor | None = None
+    keep: list[torch.Tensor] | None = None
 
     @property
     def num_images(self) -> int:
@@ -86,6 +92,8 @@ class Batch:
             self.labels.to(device),
             self.partner.to(device),
             self.lam.to(device),
+            None if self.full_pixels is None else self.full_pixels.to(device),
+            None if self.keep is None else [k.to(device) for k in self.keep],
         )
 
 
@@ -95,11 +103,13 @@ def render_pack(
     encoder_config: MoonViTConfig,
     augment: AugmentConfig | None,
     mix_rng: np.random.Generator | None = None,
+    full_pixels: bool = False,
 ) -> Batch:
     """Decode, resize, augment (unless ``augment`` is None), mix and patchify a pack's images.
 
     Each image's randomness (crop, flip, RandAugment, which patches are kept) comes from its own
-    seed; mixing draws from ``mix_rng`` (needed when ``augment`` mixes).
+    seed; mixing draws from ``mix_rng`` (needed when ``augment`` mixes). With ``full_pixels`` the
+    batch also holds every patch, dropped ones included (:attr:`Batch.full_pixels`).
     """
     p = encoder_config.patch_size
     arrays, keeps = [], []
@@ -115,12 +125,13 @@ def render_pack(
             raise ValueError("mixing needs a generator")
         mixed = mix_images(arrays, grids, keeps, p, augment, mix_rng)
 
-    patches = []
+    patches, every = [], []
     for array, keep in zip(arrays, keeps):
         pixels = torch.from_numpy(array)
         pixels = pixels.unsqueeze(0).expand(3, -1, -1) if pixels.ndim == 2 else pixels.permute(2, 0, 1)
         cut = patchify(pixels, p)
         patches.append(cut if keep is None else cut[torch.from_numpy(keep)])
+        every.append(cut)
     dropped = any(keep is not None for keep in keeps)
     keep_index = None
     if dropped:
@@ -133,4 +144,6 @@ def render_pack(
         labels,
         torch.from_numpy(mixed.partner),
         torch.from_numpy(mixed.lam),
+        source.processor.normalize(torch.cat(every)) if full_pixels else None,
+        keep_index,
     )

@@ -235,6 +235,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.steps = SMOKE["steps"]
     if args.steps is None and args.epochs is None and args.minutes is None:
         parser.error("give the run's length: --steps, --epochs or --minutes (or --smoke)")
+    OBJECTIVES[args.objective].check_args(args, parser.error)
     return args
 
 

@@ -232,7 +232,9 @@ class Trainer:
         for position, (j, pack) in enumerate(mine):
             start = time.perf_counter()
             mix_rng = np.random.default_rng(derive_seed(self.args.seed, MIX_SEED, step, j))
-            batch = render_pack(pack, self.data.train, self.encoder.config, self.augment, mix_rng).to(self.device)
+            batch = render_pack(
+                pack, self.data.train, self.encoder.config, self.augment, mix_rng, self.objective.needs_full_pixels
+            ).to(self.device)
             render_s += time.perf_counter() - start
             torch.manual_seed(derive_seed(self.args.seed, TORCH_SEED, step, j))
             with self.parallel.gradient_sync(position == len(mine) - 1):
@@ -320,7 +322,9 @@ class Trainer:
                     break
                 pack = packs[j] if j < len(packs) else packs[0]
                 items = [PlannedImage(i, *grids[i], grids[i][0] * grids[i][1], 0) for i in pack]
-                batch = render_pack(items, source, self.encoder.config, None).to(self.device)
+                batch = render_pack(
+                    items, source, self.encoder.config, None, full_pixels=self.objective.needs_full_pixels
+                ).to(self.device)
                 with self.autocast():
                     output = self.parallel(batch, evaluate=True)
                 if j >= len(packs):
@@ -342,8 +346,25 @@ class Trainer:
     def validate(self) -> dict[str, Any]:
         start = time.perf_counter()
         means, _ = self.evaluate(self.data.val)
+        self.draw(self.args.out / "pictures" / f"step-{self.step:06d}.png")
         self.elapsed_s += time.perf_counter() - start
         return {"kind": "val", "step": self.step, "loss": means["loss"], **_accuracy("top1", means)}
+
+    def draw(self, path: Path, count: int = 8) -> bool:
+        """The objective's picture of the first ``count`` validation images (main rank; every patch)."""
+        if not self.ranks.is_main or self.parallel.fsdp:  # sharded weights: every rank would have to run it
+            return False
+        source = self.data.val
+        grids = self.plan.eval_grids(source)[:count]
+        items = [PlannedImage(i, *grid, grid[0] * grid[1], 0) for i, grid in enumerate(grids)]
+        batch = render_pack(items, source, self.encoder.config, None, full_pixels=self.objective.needs_full_pixels)
+        self.parallel.module.eval()
+        try:
+            with torch.no_grad(), self.autocast():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                return self.objective.visualize(self.encoder, batch.to(self.device), self.processor, path)
+        finally:
+            self.parallel.module.train()
 
     # ---- checkpoints --------------------------------------------------------------------------
 
@@ -509,6 +530,8 @@ def finish(trainer: Trainer, calibration: dict[str, float]) -> dict[str, Any]:
     """Export, score the test split once, write results.json and the curves."""
     args, out, ranks = trainer.args, trainer.args.out, trainer.ranks
     files = trainer.export()
+    if trainer.draw(out / "pictures.png"):
+        files.append("pictures.png")
     val, _ = trainer.evaluate(trainer.data.val)
     _, outputs = trainer.evaluate(trainer.data.test, outputs=True)
     if not ranks.is_main:

@@ -7,8 +7,9 @@ entry in :data:`OBJECTIVES`; ``python -m train --objective NAME`` then runs it o
 from __future__ import annotations
 
 from .base import Objective, ObjectiveOutput
+from .mae import MAEObjective
 from .supervised import SupervisedObjective
 
-__all__ = ["OBJECTIVES", "Objective", "ObjectiveOutput", "SupervisedObjective"]
+__all__ = ["OBJECTIVES", "MAEObjective", "Objective", "ObjectiveOutput", "SupervisedObjective"]
 
-OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (SupervisedObjective,)}
+OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (SupervisedObjective, MAEObjective)}

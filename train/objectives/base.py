@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import torch
 import torch.nn as nn
@@ -56,10 +56,17 @@ class Objective(nn.Module, ABC):
     name: ClassVar[str]
     sum_names: ClassVar[tuple[str, ...]] = ()
     """The keys of :attr:`ObjectiveOutput.sums`, the same on every rank and pack."""
+    needs_full_pixels: ClassVar[bool] = False
+    """Whether its batches must hold the dropped patches too (:attr:`Batch.full_pixels`)."""
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         """Flags of this objective (added to ``python -m train``'s parser)."""
+
+    @classmethod
+    def check_args(cls, args: argparse.Namespace, error: Callable[[str], NoReturn]) -> None:
+        """Check (and complete) the parsed command line when this objective is chosen; ``error``
+        ends the program with a usage message."""
 
     @classmethod
     @abstractmethod
@@ -81,6 +88,11 @@ class Objective(nn.Module, ABC):
     @abstractmethod
     def report(self, outputs: torch.Tensor, labels: torch.Tensor, classes: Sequence[str]) -> dict[str, Any]:
         """Metrics of a whole evaluated split from its per-image outputs, for results.json."""
+
+    def visualize(self, encoder: nn.Module, batch: Batch, processor: Any, path: Path) -> bool:
+        """Draw what it does on a few held-out images (a reconstruction, say) into the PNG ``path``;
+        returns whether it drew anything. Called at validations and at the end."""
+        return False
 
     def save(self, out: Path, state: dict[str, torch.Tensor]) -> list[str]:
         """Write what a user keeps besides the encoder (a head) into ``out``; returns the file names.
