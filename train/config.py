@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--heads", type=positive_int, help="with --preset: attention heads")
     model.add_argument("--mlp-width", type=positive_int, help="with --preset: MLP hidden size")
     model.add_argument(
+        "--pos-emb-size",
+        type=positive_int,
+        help="with --preset: side of the learnable position table (64 in the released towers; a small "
+        "table suits small images and keeps a small model small)",
+    )
+    model.add_argument(
         "--drop-path",
         type=non_negative_float,
         default=0.05,
@@ -216,9 +222,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.eval_resolution is None:
         args.eval_resolution = args.resolution[1]
     if args.checkpoint is not None and any(
-        getattr(args, name) is not None for name in ("depth", "width", "heads", "mlp_width")
+        getattr(args, name) is not None for name in ("depth", "width", "heads", "mlp_width", "pos_emb_size")
     ):
-        parser.error("--depth / --width / --heads / --mlp-width shape a --preset; a --checkpoint has its own shape")
+        parser.error(
+            "--depth / --width / --heads / --mlp-width / --pos-emb-size shape a --preset; a --checkpoint has its own"
+        )
     if args.drop_path >= 1:
         parser.error(f"--drop-path must be below 1, got {args.drop_path}")
     for name in ("lr", "head_lr"):

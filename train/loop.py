@@ -85,6 +85,8 @@ def build_encoder(args: argparse.Namespace) -> tuple[MoonViT, MoonViTImageProces
             ("hidden_size", args.width),
             ("num_attention_heads", args.heads),
             ("intermediate_size", args.mlp_width),
+            ("init_pos_emb_height", args.pos_emb_size),
+            ("init_pos_emb_width", args.pos_emb_size),
         )
         if value is not None
     }
