@@ -20,6 +20,7 @@ from moonvit.onnx import (
     onnx_inputs,
     output_names,
 )
+from moonvit.onnx import export as export_module
 from moonvit.onnx.__main__ import main as onnx_main
 from moonvit.onnx.export import compare_with_model
 from moonvit.onnx.graph import OnnxEncoder
@@ -194,11 +195,14 @@ def vl_export(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def k25_export(tmp_path_factory):
-    """A K2.5 tower (temporal table) and its projector, exported through the API."""
+    """A K2.5 tower (temporal table) and its projector, exported through the API, its weights in a
+    separate data file as a graph over protobuf's 2 GB limit has them."""
     encoder = tiny_model(seed=3, **K25)
     torch.manual_seed(3)
     projector = MoonViTProjector(ProjectorConfig.for_encoder(encoder.config, 48)).eval()
-    path = export_onnx(encoder, tmp_path_factory.mktemp("k25") / "encoder.onnx", projector)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(export_module, "SINGLE_FILE_BYTES", 0)
+        path = export_onnx(encoder, tmp_path_factory.mktemp("k25") / "encoder.onnx", projector)
     return path, encoder, projector
 
 
@@ -238,6 +242,8 @@ def test_onnxruntime_matches_pytorch_on_unseen_clip_packs(k25_export, name):
 
 def test_graph_carries_its_config(k25_export):
     path, encoder, _ = k25_export
+    assert [p.name for p in path.parent.iterdir()] != [path.name]  # the weights beside the graph
+    onnx.checker.check_model(str(path), full_check=True)
     sess = session(path)
     assert onnx_config(sess) == encoder.config
     assert [i.name for i in sess.get_inputs()] == list(INPUT_NAMES)
