@@ -6,7 +6,7 @@ checks and defaults: ``--dtype`` (``bf16`` / ``fp16`` / ``fp32`` / ``fp64``, the
 long names ``bfloat16``, ``float32``, ... accepted and printed short),
 ``--device`` (``cpu``, ``cuda``, ``cuda:N``, refused at parse time where torch
 has no CUDA), ``--threads``, ``--max-patches-per-pack``, ``--checkpoint`` (a
-folder or a hub id), ``--seed`` and ``--side-limit-mode``. Every number and path
+folder or a hub id), ``--seed``, ``--side-limit-mode`` and ``--opset``. Every number and path
 has a checking type here: argument types raise ``argparse.ArgumentTypeError``, so
 a bad value ends in one usage line and exit status 2 before any work starts.
 
@@ -32,6 +32,7 @@ from .files import folder_problem
 from .media.image import ImageLoadError
 from .media.packing import DEFAULT_MAX_PATCHES_PER_PACK
 from .media.processor import ImageSizeError
+from .onnx.export import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET
 from .weights.checkpoint import CheckpointError
 from .weights.hub import is_hub_id
 
@@ -42,6 +43,7 @@ __all__ = [
     "add_checkpoint_argument",
     "add_device_argument",
     "add_dtype_argument",
+    "add_opset_argument",
     "add_seed_argument",
     "add_side_limit_argument",
     "add_threads_argument",
@@ -57,6 +59,7 @@ __all__ = [
     "non_negative_float",
     "non_negative_int",
     "one_line_warnings",
+    "opset_version",
     "output_dir",
     "output_file",
     "patch_budget",
@@ -128,6 +131,11 @@ def patch_budget(text: str) -> int:
     return _number(
         text, int, lambda v: v >= MIN_PATCH_BUDGET, f"a patch budget of at least {MIN_PATCH_BUDGET} (one 2x2 token)"
     )
+
+
+def opset_version(text: str) -> int:
+    """An ONNX opset the exporter writes: :data:`~moonvit.onnx.MIN_OPSET` to :data:`~moonvit.onnx.MAX_OPSET`."""
+    return _number(text, int, lambda v: MIN_OPSET <= v <= MAX_OPSET, f"an ONNX opset from {MIN_OPSET} to {MAX_OPSET}")
 
 
 def positive_float(text: str) -> float:
@@ -293,6 +301,12 @@ def add_checkpoint_argument(
 def add_seed_argument(parser: argparse.ArgumentParser, help: str = "random seed") -> None:
     """``--seed``: an integer >= 0 (numpy's generators refuse negative seeds), default 0."""
     parser.add_argument("--seed", type=non_negative_int, default=0, help=f"{help} (default: 0)")
+
+
+def add_opset_argument(parser: argparse.ArgumentParser) -> None:
+    """``--opset``: the ONNX opset of an exported graph."""
+    help = f"ONNX opset, {MIN_OPSET} to {MAX_OPSET} (default: {DEFAULT_OPSET})"
+    parser.add_argument("--opset", type=opset_version, default=DEFAULT_OPSET, help=help)
 
 
 def add_side_limit_argument(parser: argparse.ArgumentParser) -> None:

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from .attention import check_attn_implementation, resolve_attn_implementation
 from .blocks import Block
 from .config import MoonViTConfig, preset_config
-from .grid import GridCache, GridInput, PackedGrid, build_packed_grid
+from .grid import GridCache, GridInput, PackedGrid, build_packed_grid, check_pixel_shape
 from .position import LearnablePositionTable
 
 
@@ -293,24 +293,17 @@ class MoonViT(nn.Module):
         return tuple(resolved)
 
     def _check_pixel_values(self, pixel_values: torch.Tensor, grid: PackedGrid) -> None:
-        p, c = self.config.patch_size, self.config.num_channels
         if not isinstance(pixel_values, torch.Tensor):
             raise TypeError(f"pixel_values must be a tensor, got {type(pixel_values).__name__}")
-        if not pixel_values.dtype.is_floating_point:
-            raise TypeError(
-                f"pixel_values must be floating (normalised pixels), got {pixel_values.dtype}; "
-                "run the images through MoonViTImageProcessor"
-            )
-        if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != (c, p, p):
-            raise ValueError(f"pixel_values must have shape (L, {c}, {p}, {p}), got {tuple(pixel_values.shape)}")
-        if pixel_values.shape[0] != grid.num_patches:
-            if grid.dropped:
-                total = f"the grid keeps {grid.num_patches}"
-            elif grid.max_frames == 1:
-                total = f"the grids add up to sum(h * w) = {grid.num_patches}"
-            else:
-                total = f"the grids add up to sum(t * h * w) = {grid.num_patches}"
-            raise ValueError(f"pixel_values holds {pixel_values.shape[0]} patches but {total}")
+        check_pixel_shape(
+            tuple(pixel_values.shape),
+            pixel_values.dtype.is_floating_point,
+            pixel_values.dtype,
+            self.config,
+            grid.num_patches,
+            grid.max_frames,
+            grid.dropped,
+        )
         if pixel_values.device != self.device:
             raise ValueError(f"pixel_values is on {pixel_values.device}, the model on {self.device}")
 

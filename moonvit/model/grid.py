@@ -168,14 +168,32 @@ def validate_grid_thws(grid: GridInput, config: MoonViTConfig) -> list[tuple[int
             raise TypeError(f"grid_hws must be an (N, 2) or (N, 3) integer tensor, got {type(grid).__name__}") from err
     if grid.dtype.is_floating_point or grid.dtype.is_complex or grid.dtype == torch.bool:
         raise TypeError(f"grid_hws must be an integer tensor, got dtype {grid.dtype}")
-    if grid.ndim != 2 or grid.shape[-1] not in (2, 3):
+    return check_grid_rows(tuple(grid.shape), grid.tolist(), config)
+
+
+def check_grid_rows(shape: tuple[int, ...], rows: list, config: MoonViTConfig) -> list[tuple[int, int, int]]:
+    """The checks of :func:`validate_grid_thws` on plain Python values, without torch.
+
+    Args:
+        shape: the grid array's shape.
+        rows: its rows as Python integers (``array.tolist()``).
+
+    Returns:
+        The (t, h, w) triples, t = 1 for (h, w) rows.
+
+    Raises:
+        TypeError: a shape other than (N, 2) or (N, 3).
+        ValueError: an empty pack, a non-positive side or frame count, more frames than
+            the temporal table has rows, a side over the RoPE table, or a side the patch
+            merger cannot group.
+    """
+    if len(shape) != 2 or shape[-1] not in (2, 3):
         raise TypeError(
             "grid_hws must have shape (N, 2) = (rows, cols) per image or (N, 3) = (frames, rows, cols) "
-            f"per clip, got {tuple(grid.shape)}"
+            f"per clip, got {shape}"
         )
-    if grid.shape[0] == 0:
+    if shape[0] == 0:
         raise ValueError("empty pack: grid_hws holds no image")
-    rows = grid.tolist()
     thws = [(1, int(r[0]), int(r[1])) if len(r) == 2 else (int(r[0]), int(r[1]), int(r[2])) for r in rows]
     kh, kw = config.merge_kernel_size
     for i, (t, h, w) in enumerate(thws):
@@ -201,6 +219,46 @@ def validate_grid_thws(grid: GridInput, config: MoonViTConfig) -> list[tuple[int
                 "(pad the image to a multiple of patch_size * merge_kernel_size)"
             )
     return thws
+
+
+def check_pixel_shape(
+    shape: tuple[int, ...],
+    floating: bool,
+    dtype: object,
+    config: MoonViTConfig,
+    num_patches: int,
+    max_frames: int,
+    dropped: bool = False,
+) -> None:
+    """Check a pack's ``pixel_values`` against its grid, without torch.
+
+    Args:
+        shape, floating, dtype: the pixel array's shape, whether its dtype is floating,
+            and the dtype itself (for the message).
+        num_patches: L, the rows the grid holds.
+        max_frames: the most frames of any item (for the message).
+        dropped: whether the grid keeps only some patches (for the message).
+
+    Raises:
+        TypeError: integer pixels (not yet normalised).
+        ValueError: a shape other than (L, channels, patch, patch), or another L.
+    """
+    p, c = config.patch_size, config.num_channels
+    if not floating:
+        raise TypeError(
+            f"pixel_values must be floating (normalised pixels), got {dtype}; "
+            "run the images through MoonViTImageProcessor"
+        )
+    if len(shape) != 4 or tuple(shape[1:]) != (c, p, p):
+        raise ValueError(f"pixel_values must have shape (L, {c}, {p}, {p}), got {shape}")
+    if shape[0] != num_patches:
+        if dropped:
+            total = f"the grid keeps {num_patches}"
+        elif max_frames == 1:
+            total = f"the grids add up to sum(h * w) = {num_patches}"
+        else:
+            total = f"the grids add up to sum(t * h * w) = {num_patches}"
+        raise ValueError(f"pixel_values holds {shape[0]} patches but {total}")
 
 
 def validate_keep(keep: Sequence[torch.Tensor], thws: Sequence[tuple[int, int, int]]) -> list[torch.Tensor]:

@@ -12,26 +12,35 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TypeVar
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+ArrayT = TypeVar("ArrayT", torch.Tensor, np.ndarray)
 
 # Keys' cubic convolution coefficient used by PyTorch's bicubic kernels.
 CUBIC_A = -0.75
 
 
-def _cubic_weights(t: torch.Tensor) -> torch.Tensor:
-    """(..., 4) weights of the taps at offsets -1, 0, 1, 2 for fractional offset t."""
+def cubic_weights(t: ArrayT) -> ArrayT:
+    """(..., 4) weights of the taps at offsets -1, 0, 1, 2 for fractional offset t.
+
+    Takes a torch tensor or a NumPy array (the ONNX graph's inputs are computed in NumPy),
+    with the same float64 arithmetic either way.
+    """
     a = CUBIC_A
 
-    def near(x: torch.Tensor) -> torch.Tensor:  # |x| <= 1
+    def near(x: ArrayT) -> ArrayT:  # |x| <= 1
         return ((a + 2) * x - (a + 3)) * x * x + 1
 
-    def far(x: torch.Tensor) -> torch.Tensor:  # 1 < |x| < 2
+    def far(x: ArrayT) -> ArrayT:  # 1 < |x| < 2
         return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
 
-    return torch.stack([far(t + 1), near(t), near(1 - t), far(2 - t)], dim=-1)
+    taps = [far(t + 1), near(t), near(1 - t), far(2 - t)]
+    return torch.stack(taps, dim=-1) if isinstance(t, torch.Tensor) else np.stack(taps, axis=-1)
 
 
 def _axis_taps(index: torch.Tensor, out_size: torch.Tensor, in_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +53,7 @@ def _axis_taps(index: torch.Tensor, out_size: torch.Tensor, in_size: int) -> tup
     """
     source = (index.double() + 0.5) * (in_size / out_size.double()) - 0.5
     base = source.floor()
-    weights = _cubic_weights(source - base)
+    weights = cubic_weights(source - base)
     taps = base.long().unsqueeze(-1) + torch.arange(-1, 3)
     return taps.clamp(0, in_size - 1), weights
 

@@ -1,0 +1,134 @@
+"""Export a checkpoint's encoder (and projector) to one ONNX graph that takes any pack.
+
+python -m moonvit.onnx --checkpoint DIR --out encoder.onnx [--projector] [--dtype fp32|fp16] [--opset N]
+
+After writing the graph (checked with onnx.checker), it runs a small pack the export
+never saw through ONNX Runtime's CPU provider and through PyTorch, and fails if they
+differ by more than the dtype allows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..cli import (
+    add_checkpoint_argument,
+    add_dtype_argument,
+    add_opset_argument,
+    exit_on,
+    one_line_warnings,
+    output_file,
+    torch_dtype,
+)
+from ..model.encoder import MoonViT
+from .export import OnnxUnavailableError, compare_with_model, export_onnx, output_names
+from .inputs import input_names
+
+# The check's pack: odd aspect ratios, unlike the exporter's example, and a clip where the tower takes them.
+CHECK_IMAGES = [(2, 10), (6, 4), (4, 4)]
+CHECK_CLIP = (2, 4, 6)
+# Largest relative error the check accepts per dtype (float16 rounds every activation to 11 bits).
+TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2}
+
+
+class ParityError(RuntimeError):
+    """The exported graph and the PyTorch model disagree on the check's pack."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m moonvit.onnx",
+        description=__doc__.split("\n")[0],
+        epilog="The graph takes moonvit.onnx.onnx_inputs(config, pixel_values, grid_hws).",
+    )
+    add_checkpoint_argument(parser, required=True)
+    parser.add_argument("--out", type=output_file, required=True, help="the .onnx file to write")
+    parser.add_argument(
+        "--projector",
+        action="store_true",
+        help="also export the checkpoint's projector: the graph then returns the projected tokens too",
+    )
+    add_dtype_argument(
+        parser,
+        "fp32",
+        "the graph's weights and outputs (pixel values stay float32)",
+        choices=("fp32", "fp16"),
+    )
+    add_opset_argument(parser)
+    parser.add_argument(
+        "--no-check", action="store_true", help="skip the ONNX Runtime vs PyTorch check on a sample pack"
+    )
+    return parser
+
+
+def export(args: argparse.Namespace) -> dict[str, Any]:
+    """Load, export, check; returns the summary it prints."""
+    dtype = torch_dtype(args.dtype)
+    encoder = MoonViT.from_pretrained(args.checkpoint, dtype=dtype, device="cpu")
+    projector = None
+    if args.projector:
+        from projector import MoonViTProjector  # the projector package ships beside moonvit
+
+        projector = MoonViTProjector.from_pretrained(args.checkpoint, dtype=dtype, device="cpu")
+    start = time.perf_counter()
+    path = export_onnx(encoder, args.out, projector, opset=args.opset)
+    summary: dict[str, Any] = {
+        "path": str(path),
+        "seconds": round(time.perf_counter() - start, 1),
+        "megabytes": round(sum(p.stat().st_size for p in path.parent.glob(path.name + "*")) / 2**20, 1),
+        "dtype": args.dtype,
+        "opset": args.opset,
+        "inputs": list(input_names(encoder.config)),
+        "outputs": list(output_names(projector is not None)),
+    }
+    print(
+        f"wrote {path} ({summary['megabytes']} MB, {args.dtype}, opset {args.opset}) in {summary['seconds']} s\n"
+        f"  inputs:  {', '.join(summary['inputs'])}\n  outputs: {', '.join(summary['outputs'])}"
+    )
+    if not args.no_check:
+        summary["check"] = check(path, encoder, projector, args.dtype)
+    return summary
+
+
+def check(path: Any, encoder: MoonViT, projector: Any, dtype: str) -> dict[str, float] | None:
+    """Run the check's pack through ONNX Runtime and PyTorch; None where onnxruntime is missing."""
+    try:
+        import onnxruntime
+    except ImportError:
+        print("  check skipped: onnxruntime is not installed (pip install 'moonvit[onnx]')")
+        return None
+    grids = [(1, h, w) for h, w in CHECK_IMAGES]
+    if encoder.config.max_frames >= CHECK_CLIP[0]:
+        grids.append(CHECK_CLIP)
+    patches = sum(t * h * w for t, h, w in grids)
+    config = encoder.config
+    pixels = np.random.default_rng(0).standard_normal(
+        (patches, config.num_channels, config.patch_size, config.patch_size)
+    )
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    errors = compare_with_model(session, encoder, pixels, grids, projector)
+    shown = ", ".join(f"{name} {error:.1e}" for name, error in errors.items())
+    print(f"  ONNX Runtime (CPU) vs PyTorch on grids {grids}, max relative error: {shown}")
+    worst = max(errors, key=lambda name: errors[name])
+    if errors[worst] > TOLERANCE[dtype]:
+        raise ParityError(
+            f"the exported graph's {worst} differs from PyTorch's by {errors[worst]:.1e} relative, "
+            f"over the {TOLERANCE[dtype]:.0e} a {dtype} graph allows"
+        )
+    return errors
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    with one_line_warnings(), exit_on(parser, OnnxUnavailableError, ParityError):
+        return export(args)
+
+
+if __name__ == "__main__":
+    main()
