@@ -1,4 +1,4 @@
-"""The main job: encode images with MoonViT and write their merged visual tokens.
+"""The main job: encode images (and videos) with MoonViT and write their merged visual tokens.
 
 python -m moonvit                       # built-in sample images, random `small` preset
 python -m moonvit --checkpoint DIR --images a.jpg b.png --dtype bf16
@@ -36,6 +36,7 @@ from .encode import iter_encode_images
 from .files import atomic_path, save_safetensors_atomic, write_text_atomic
 from .media.image import ImageInput, image_size
 from .media.processor import MoonViTImageProcessor
+from .media.video import VideoFrames, VideoSource, probe_video
 from .model.attention import attention_names
 from .model.config import PRESETS
 from .model.encoder import MoonViT
@@ -70,6 +71,19 @@ def sample_images() -> dict[str, Image.Image]:
     }
 
 
+def sample_clip() -> VideoFrames:
+    """A procedural 3-second clip at 10 fps, 224x160: a bright disc moving across a gradient
+    (sampled at 2 fps: 6 frames, a 4-frame and a 2-frame chunk)."""
+    y, x = np.mgrid[0:160, 0:224].astype(np.float32)
+    frames = []
+    for t in range(30):
+        disc = np.hypot(x - 20 - 6 * t, y - 80) < 24
+        frame = np.stack([x / 224 * 200, y / 160 * 200, np.full_like(x, 60)], -1)
+        frame[disc] = (250, 240, 60)
+        frames.append(frame.astype(np.uint8))
+    return VideoFrames(np.stack(frames), fps=10.0, name="sample-clip")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m moonvit", description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group()
@@ -82,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         type=existing_file,
         help="image files (default: built-in samples); keyed by their paths relative to the folder they share",
+    )
+    parser.add_argument(
+        "--videos",
+        nargs="+",
+        type=existing_file,
+        help="video files (needs a tower with a temporal table: a Kimi-K2.5 / K2.6 checkpoint or the so400m-3d "
+        "preset); with the built-in samples, such a tower also encodes a built-in clip",
     )
     add_dtype_argument(parser, "bf16", "compute dtype", choices=("bf16", "fp16", "fp32", "fp64"))
     add_device_argument(parser)
@@ -130,44 +151,57 @@ def run(args: argparse.Namespace) -> None:
     images: dict[str, ImageInput] = (
         dict(zip(path_keys(args.images), args.images)) if args.images else dict(sample_images())
     )
+    videos: dict[str, VideoSource] = dict(zip(path_keys(args.videos), args.videos)) if args.videos else {}
+    if not args.images and not args.videos and encoder.config.max_frames > 1:
+        videos["sample-clip"] = sample_clip()
+    inputs: dict[str, ImageInput | VideoSource] = {**images, **videos}
+    keys = list(inputs)
 
     start = time.perf_counter()
     results = list(
-        iter_encode_images(encoder, processor, list(images.values()), max_patches_per_pack=args.max_patches_per_pack)
+        iter_encode_images(encoder, processor, list(inputs.values()), max_patches_per_pack=args.max_patches_per_pack)
     )
     seconds = time.perf_counter() - start
 
     print(f"moonvit {__version__}: {source}, {args.dtype} on {args.device}, {torch.get_num_threads()} threads")
-    print(f"{'image':<24} {'size':>11} {'grid':>9} {'tokens':>7} {'mean':>8} {'std':>7}")
+    print(f"{'input':<24} {'size':>11} {'grid':>11} {'tokens':>7} {'mean':>8} {'std':>7}")
     summary: list[dict[str, Any]] = []
-    for (key, image), result in zip(images.items(), results):
-        width, height = image_size(image)
+    for result in results:
+        key = keys[result.index]
+        item = inputs[key]
+        width, height = probe_video(item).size if key in videos else image_size(item)  # type: ignore[arg-type]
+        name = key if result.chunk is None else f"{key}#{result.chunk}"
         h, w = result.grid_hw
+        grid = f"{h}x{w}" if result.chunk is None else f"{result.frames}x{h}x{w}"
         feats = result.tokens.float()
         note = "  scaled down to fit --max-patches-per-pack" if result.rescaled else ""
+        if result.timestamp is not None:
+            note += f"  from {result.timestamp:.1f} s"
         print(
-            f"{key:<24} {f'{width}x{height}':>11} {f'{h}x{w}':>9} {feats.shape[0]:>7} "
+            f"{name:<24} {f'{width}x{height}':>11} {grid:>11} {feats.shape[0]:>7} "
             f"{feats.mean():>8.4f} {feats.std():>7.4f}{note}"
         )
-        summary.append(
-            {
-                "image": key,
-                "path": str(Path(image).absolute()) if isinstance(image, Path) else None,
-                "size": [width, height],
-                "grid_hw": [h, w],
-                "num_tokens": feats.shape[0],
-                "rescaled": result.rescaled,
-            }
-        )
-    patches = sum(h * w for h, w in (r.grid_hw for r in results))
-    print(f"{len(results)} images, {patches} patches in {seconds:.2f} s ({patches / seconds:.0f} patches/s)")
+        entry: dict[str, Any] = {
+            "image": name,
+            "path": str(Path(item).absolute()) if isinstance(item, Path) else None,
+            "size": [width, height],
+            "grid_hw": [h, w],
+            "num_tokens": feats.shape[0],
+            "rescaled": result.rescaled,
+        }
+        if result.chunk is not None:
+            entry.update(video=key, chunk=result.chunk, frames=result.frames, timestamp=result.timestamp)
+        summary.append(entry)
+    patches = sum(r.frames * r.grid_hw[0] * r.grid_hw[1] for r in results)
+    print(f"{len(results)} items, {patches} patches in {seconds:.2f} s ({patches / seconds:.0f} patches/s)")
 
     if args.save_checkpoint:
         encoder.save_pretrained(args.save_checkpoint)
         processor.save_pretrained(args.save_checkpoint)
     if args.save_images:
         names = unique_names([str(PurePosixPath(key).with_suffix(".png")) for key in images])
-        for entry, image, name in zip(summary, images.values(), names):
+        image_entries = [entry for entry in summary if "video" not in entry]
+        for entry, image, name in zip(image_entries, images.values(), names):
             target = args.save_images / name
             target.parent.mkdir(parents=True, exist_ok=True)
             with atomic_path(target) as temporary:

@@ -14,7 +14,8 @@ from moonvit.__main__ import main
 def test_main_job_on_the_built_in_images(tmp_path, capsys):
     main(["--preset", "tiny", "--dtype", "fp32", "--threads", "1", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
-    assert "5 images" in printed and "1 threads" in printed
+    assert "5 items" in printed and "1 threads" in printed
+    assert "sample-clip" not in printed  # an image-only tower gets no clip
     summary = json.loads((tmp_path / "summary.json").read_text())
     tokens = load_file(tmp_path / "merged.safetensors")
     assert {s["image"] for s in summary["images"]} == set(tokens)
@@ -24,6 +25,25 @@ def test_main_job_on_the_built_in_images(tmp_path, capsys):
     # 1792x1024 is 128 x 73 = 9344 patches, over the 4096 budget: scaled by sqrt(4096 / 9344).
     stripes = next(s for s in summary["images"] if s["image"].startswith("stripes"))
     assert stripes["grid_hw"] == [50, 86]
+
+
+def test_main_job_encodes_the_built_in_clip_with_a_temporal_tower(tmp_path, capsys):
+    model = tiny_model(init_pos_emb_time=4)
+    model.save_pretrained(tmp_path / "ckpt")
+    MoonViTImageProcessor(in_token_limit=256).save_pretrained(tmp_path / "ckpt")
+    main(["--checkpoint", str(tmp_path / "ckpt"), "--dtype", "fp32", "--threads", "1", "--out", str(tmp_path / "out")])
+    printed = capsys.readouterr().out
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    tokens = load_file(tmp_path / "out" / "merged.safetensors")
+    chunks = [s for s in summary["images"] if s.get("video") == "sample-clip"]
+    # 3 s at 10 fps sampled at 2 fps: 6 frames spread over the clip, a 4-frame chunk from 0 s and a
+    # 2-frame chunk starting at its fifth sampled frame, in the clip's last second.
+    assert [(c["chunk"], c["frames"]) for c in chunks] == [(0, 4), (1, 2)]
+    assert chunks[0]["timestamp"] == 0.0 and 2.0 <= chunks[1]["timestamp"] < 3.0
+    assert "sample-clip#0" in printed and "7 items" in printed
+    for entry in summary["images"]:
+        h, w = entry["grid_hw"]
+        assert tokens[entry["image"]].shape == (h * w // 4, 4, 64)
 
 
 def test_main_job_from_a_checkpoint_folder_and_files(tmp_path, capsys):

@@ -1,0 +1,23 @@
+import torch
+from helpers import tiny_model
+
+from eval.pictures import main, position_similarity
+
+
+def test_position_similarity_is_the_cosine_of_every_pair_of_positions():
+    table = torch.randn(3, 5, 8, dtype=torch.float64)
+    sim = position_similarity(table)
+    assert sim.shape == (3, 5, 3, 5)
+    flat = table.reshape(15, 8)
+    for a in (0, 7, 14):
+        for b in (0, 3, 14):
+            expected = torch.nn.functional.cosine_similarity(flat[a], flat[b], dim=0)
+            assert abs(sim.reshape(15, 15)[a, b].item() - expected.item()) < 1e-6
+    assert torch.allclose(sim.reshape(15, 15).diagonal(), torch.ones(15))
+
+
+def test_pictures_cli_writes_a_png_of_a_checkpoint_table(tmp_path, capsys):
+    tiny_model(init_pos_emb_height=6, init_pos_emb_width=6).save_pretrained(tmp_path / "ckpt")
+    main(["--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "sim.png"), "--stride", "2"])
+    assert (tmp_path / "sim.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "wrote" in capsys.readouterr().out
