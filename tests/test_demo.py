@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def demo(out: Path, *args: str | Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MOONVIT_DEMO_OUT": str(out)}
+    # The Fashion-MNIST probe (about 80 s) is left out here; the shipped checkpoints' tests cover them.
+    env = {**os.environ, "MOONVIT_DEMO_OUT": str(out), "MOONVIT_DEMO_FASHION_MNIST": "0"}
     return subprocess.run(
         ["bash", str(REPO / "scripts" / "demo.sh"), *map(str, args)],
         cwd=REPO,
@@ -55,7 +56,8 @@ def consistent(out: Path) -> dict:
     config = json.loads((out / "checkpoint" / "config.json").read_text())
     width = {"tiny": 64, "small": 384}[summary["source"].split()[1]]
     assert config["hidden_size"] == width
-    assert json.loads((out / "probe" / "results.json").read_text())["top1"] > 0.3
+    for name in ("fm-supervised", "fm-mae", "fm-mae-ft"):
+        assert json.loads((out / "probe" / f"digits-{name}" / "results.json").read_text())["top1"] > 0.85
     assert not Path(f"{out}.previous").exists()
     return summary
 

@@ -1,7 +1,7 @@
 import torch
 from helpers import tiny_model
 
-from eval.pictures import main, position_similarity
+from eval.pictures import main, position_similarity, resampled_table
 
 
 def test_position_similarity_is_the_cosine_of_every_pair_of_positions():
@@ -21,3 +21,14 @@ def test_pictures_cli_writes_a_png_of_a_checkpoint_table(tmp_path, capsys):
     main(["--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "sim.png"), "--stride", "2"])
     assert (tmp_path / "sim.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "wrote" in capsys.readouterr().out
+    main(["--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "grid.png"), "--grid", "3", "4"])
+    assert (tmp_path / "grid.png").is_file()
+
+
+def test_the_resampled_table_is_what_the_encoder_adds():
+    """At the table's own size the bicubic resampling is the identity; elsewhere it is the forward's."""
+    model = tiny_model(init_pos_emb_height=6, init_pos_emb_width=6)
+    assert torch.allclose(resampled_table(model, 6, 6), model.patch_embed.pos_emb.weight.detach(), atol=1e-6)
+    grid = model.prepare_grid(torch.tensor([[4, 2]]))
+    expected = model.patch_embed.pos_emb(grid.pos_emb_index, grid.pos_emb_weight).detach()
+    assert torch.allclose(resampled_table(model, 4, 2).reshape(8, -1), expected)
