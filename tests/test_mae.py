@@ -3,18 +3,15 @@ pack invariance, the run (smoke, resume after SIGKILL, 2-rank DDP) and its pictu
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
 from helpers import randomize_
 from safetensors.torch import load_file
-from test_train import REPO, free_port, train
+from test_train import REPO, free_port, kill_after_steps, train
 
 from eval.datasets import Split
 from moonvit import MoonViT, MoonViTImageProcessor, build_packed_grid, preset_config
@@ -117,16 +114,7 @@ def test_bad_mae_flags_are_refused(tmp_path, flags, message, capsys):
 def test_a_sigkill_then_the_same_command_gives_the_uninterrupted_weights(tmp_path):
     args = [*MAE, "--steps", "10", "--save-every", "3", "--resolution", "28", "56", "--drop-path", "0.1"]
     train(*args, "--out", tmp_path / "straight")
-    command = [sys.executable, "-m", "train", *args, "--out", str(tmp_path / "killed")]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    log = tmp_path / "killed" / "metrics.jsonl"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and process.poll() is None:
-        if log.is_file() and log.read_text().count('"train"') >= 4:
-            break
-        time.sleep(0.02)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
+    kill_after_steps(args, tmp_path / "killed", 4)
     train(*args, "--out", tmp_path / "killed")
     for name in ("checkpoint/model.safetensors", "mae_decoder.safetensors"):
         straight, resumed = load_file(tmp_path / "straight" / name), load_file(tmp_path / "killed" / name)

@@ -181,19 +181,25 @@ def test_smoke_run_writes_a_loadable_encoder_a_head_results_and_curves(tmp_path)
     assert (tmp_path / "results.json").read_text() == before
 
 
-def test_a_sigkill_then_the_same_command_gives_the_uninterrupted_weights(tmp_path):
-    args = [*RUN, *MIXED, "--steps", "12", "--save-every", "3"]
-    train(*args, "--out", tmp_path / "straight")
-    command = [sys.executable, "-m", "train", *args, "--out", str(tmp_path / "killed")]
+def kill_after_steps(args: list, out: Path, steps: int) -> None:
+    """Start ``python -m train ARGS --out OUT``, SIGKILL it once ``steps`` training steps are logged
+    (or after 60 s, or when it ends by itself)."""
+    command = [sys.executable, "-m", "train", *map(str, args), "--out", str(out)]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    log = tmp_path / "killed" / "metrics.jsonl"
+    log = out / "metrics.jsonl"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and process.poll() is None:
-        if log.is_file() and log.read_text().count('"train"') >= 5:
+        if log.is_file() and log.read_text().count('"train"') >= steps:
             break
         time.sleep(0.02)
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
+
+
+def test_a_sigkill_then_the_same_command_gives_the_uninterrupted_weights(tmp_path):
+    args = [*RUN, *MIXED, "--steps", "12", "--save-every", "3"]
+    train(*args, "--out", tmp_path / "straight")
+    kill_after_steps(args, tmp_path / "killed", 5)
     assert not (tmp_path / "killed" / "results.json").exists()
     train(*args, "--out", tmp_path / "killed")
     straight, resumed = weights(tmp_path / "straight"), weights(tmp_path / "killed")
