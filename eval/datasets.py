@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moonvit.files import folder_problem
+from moonvit.files import files_below, folder_problem
 from moonvit.media.image import IMAGE_EXTENSIONS
 
 from .splits import stratified_split
@@ -95,6 +95,7 @@ class Dataset:
         classes: class names, indexed by label.
         train, test: the splits.
         split_rule: how the test split was made, for the results.
+        notes: what loading left out that a user should hear of (class folders with no image).
     """
 
     name: str
@@ -102,6 +103,7 @@ class Dataset:
     train: Split
     test: Split
     split_rule: str
+    notes: tuple[str, ...] = ()
 
 
 def load_dataset(spec: str, data_dir: str | os.PathLike | None = None, seed: int = 0) -> Dataset:
@@ -201,19 +203,29 @@ def _digits(seed: int) -> Dataset:
 # ---- ImageFolder ------------------------------------------------------------------------------
 
 
-def _class_files(folder: Path) -> dict[str, list[Path]]:
-    """{class name: sorted image files} for every subfolder of ``folder`` holding images."""
+def _class_files(folder: Path) -> tuple[dict[str, list[Path]], list[str]]:
+    """{class name: sorted image files} for every subfolder of ``folder`` holding images, and the
+    names of the subfolders holding none (left out: a class with no image cannot be learnt)."""
     problem = folder_problem(folder)
     if problem is not None:
         raise DatasetError(f"image folder {folder} {problem}")
-    classes = {}
+    classes, empty = {}, []
     for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
-        files = sorted(p for p in sub.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+        files, _ = files_below(sub, IMAGE_EXTENSIONS)
         if files:
             classes[sub.name] = files
+        else:
+            empty.append(sub.name)
     if not classes:
         raise DatasetError(f"image folder {folder} has no class subfolders with images ({sorted(IMAGE_EXTENSIONS)})")
-    return classes
+    return classes, empty
+
+
+def _empty_note(folder: Path, empty: Sequence[str]) -> tuple[str, ...]:
+    if not empty:
+        return ()
+    shown = ", ".join(repr(name) for name in empty[:8]) + (f" and {len(empty) - 8} more" if len(empty) > 8 else "")
+    return (f"class folders of {folder} with no image ({sorted(IMAGE_EXTENSIONS)}) are left out: {shown}",)
 
 
 def _to_split(files: dict[str, list[Path]], classes: Sequence[str]) -> Split:
@@ -228,7 +240,7 @@ def _image_folder(spec: str, root: Path, seed: int) -> Dataset:
         test_dir = next((root / name for name in ("test", "val") if (root / name).is_dir()), None)
         if test_dir is None:
             raise DatasetError(f"{root} has a train folder but neither test nor val")
-        train_files, test_files = _class_files(root / "train"), _class_files(test_dir)
+        (train_files, train_empty), (test_files, test_empty) = _class_files(root / "train"), _class_files(test_dir)
         unknown = sorted(set(test_files) - set(train_files))
         if unknown:
             raise DatasetError(f"{test_dir} has classes missing from {root / 'train'}: {unknown}")
@@ -239,8 +251,9 @@ def _image_folder(spec: str, root: Path, seed: int) -> Dataset:
             _to_split(train_files, classes),
             _to_split(test_files, classes),
             f"the folder's own train / {test_dir.name} splits",
+            _empty_note(root / "train", train_empty) + _empty_note(test_dir, test_empty),
         )
-    files = _class_files(root)
+    files, empty = _class_files(root)
     classes = tuple(files)
     everything = _to_split(files, classes)
     train, test = stratified_split(everything.labels, TEST_FRACTION, seed)
@@ -251,4 +264,5 @@ def _image_folder(spec: str, root: Path, seed: int) -> Dataset:
         Split([paths[i] for i in train], everything.labels[train]),
         Split([paths[i] for i in test], everything.labels[test]),
         f"seeded stratified {TEST_FRACTION:.0%} test split (seed {seed})",
+        _empty_note(root, empty),
     )

@@ -210,9 +210,12 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
     try:
         dataset = load_dataset(args.dataset, args.data_dir, seed=args.seed)
         resize = ResizePolicy(args.short_side)
-        data_warnings = check_probe_labels(
-            dataset.train.labels, dataset.test.labels, dataset.classes, args.val_fraction, args.seed
-        )
+        data_warnings = [
+            *dataset.notes,
+            *check_probe_labels(
+                dataset.train.labels, dataset.test.labels, dataset.classes, args.val_fraction, args.seed
+            ),
+        ]
     except (DatasetError, ValueError) as error:
         parser.error(f"cannot probe --dataset {args.dataset}: {error}")
     for message in data_warnings:

@@ -1,6 +1,7 @@
 """Pictures of what an encoder learned: its position table's similarity map (the ViT paper's figure).
 
-    python -m eval.pictures --checkpoint checkpoints/fm-supervised --grid 4 4 --out docs/img/position-similarity.png
+    python -m eval.pictures --checkpoint checkpoints/fm-supervised --grid 4 4
+    # -> outputs/pictures/fm-supervised-position-similarity-4x4.png (or --out FILE.png)
 
 Each small map is one position of the learnable table; its pixels are that position's cosine
 similarity to every other position. ``--grid ROWS COLS`` draws the table as the encoder adds it to
@@ -12,7 +13,9 @@ the resampling's taps. A random table shows noise.
 from __future__ import annotations
 
 import argparse
+import textwrap
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,22 +57,47 @@ def save_position_similarity(table: torch.Tensor, path: Path, title: str, stride
 
     similarity = position_similarity(table)[::stride, ::stride]
     rows, cols = similarity.shape[:2]
-    figure, axes = plt.subplots(rows, cols, figsize=(cols * 0.5 + 1, rows * 0.5 + 0.8), squeeze=False)
+    width, maps_height = cols * 0.5 + 1, rows * 0.5 + 0.4
+    figure, axes = plt.subplots(rows, cols, figsize=(width, maps_height), squeeze=False, dpi=DPI)
     for r in range(rows):
         for c in range(cols):
             axes[r, c].imshow(similarity[r, c].numpy(), cmap="viridis", vmin=-1, vmax=1)
             axes[r, c].set_axis_off()
-    figure.suptitle(title, fontsize=9)
-    figure.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.94, wspace=0.08, hspace=0.08)
+    text, title_height = fit_title(figure, title, fontsize=9)
+    # the maps keep their size; the figure grows by the title's height, wrapped to the figure's width
+    figure.set_figheight(maps_height + title_height)
+    text.set_y(1 - 0.04 / (maps_height + title_height))  # a small margin above the title
+    top = maps_height / (maps_height + title_height)
+    figure.subplots_adjust(left=0.01, right=0.99, bottom=0.01 * top, top=top - 0.01, wspace=0.08, hspace=0.08)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=80)
+    figure.savefig(path, dpi=DPI)
     plt.close(figure)
+
+
+DPI = 80
+
+
+def fit_title(figure: Any, text: str, fontsize: float) -> tuple[Any, float]:
+    """Set ``text`` as the figure's title, wrapped at word boundaries to fit its width; returns the
+    title's Text and the height in inches it takes (with a margin)."""
+    renderer = figure.canvas.get_renderer()
+    room = figure.get_figwidth() * figure.dpi * 0.96
+    title = figure.suptitle(text, fontsize=fontsize, y=1.0, va="top")
+    for columns in range(len(text), 0, -1):
+        title.set_text(textwrap.fill(text, columns, break_long_words=True))
+        if title.get_window_extent(renderer).width <= room:
+            break
+    return title, title.get_window_extent(renderer).height / figure.dpi + 0.16
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eval.pictures", description=__doc__.split("\n\n")[0])
     add_checkpoint_argument(parser, required=True)
-    parser.add_argument("--out", type=output_file, required=True, help="the PNG to write")
+    parser.add_argument(
+        "--out",
+        type=output_file,
+        help="the PNG to write (default: outputs/pictures/<checkpoint>-position-similarity[-ROWSxCOLS].png)",
+    )
     parser.add_argument(
         "--grid", type=positive_int, nargs=2, metavar=("ROWS", "COLS"),
         help="draw the table resampled to this patch grid, as the encoder adds it to such an image "
@@ -91,9 +119,17 @@ def main(argv: list[str] | None = None) -> None:
     else:
         table = encoder.patch_embed.pos_emb.weight.detach().float()
         shape = "as stored"
-    title = args.title or f"{Path(str(args.checkpoint)).name}: position-table cosine similarity ({shape})"
-    save_position_similarity(table, args.out, title, args.stride)
-    print(f"wrote {args.out}")
+    name = Path(str(args.checkpoint)).name
+    title = args.title or f"{name}: position-table cosine similarity ({shape})"
+    out = args.out or default_out(name, args.grid)
+    save_position_similarity(table, out, title, args.stride)
+    print(f"wrote {out}")
+
+
+def default_out(name: str, grid: list[int] | None) -> Path:
+    """Where a picture goes without ``--out``."""
+    suffix = f"-{grid[0]}x{grid[1]}" if grid else ""
+    return Path("outputs") / "pictures" / f"{name}-position-similarity{suffix}.png"
 
 
 if __name__ == "__main__":

@@ -240,15 +240,21 @@ def check_probe_labels(
     classes: Sequence[str],
     val_fraction: float,
     seed: int,
+    held_out: str = "selection",
+    user: str = "a linear probe",
 ) -> list[str]:
-    """Refuse labels a probe cannot be run on, and describe the ones it runs on poorly.
+    """Refuse labels a probe (or a classifier's training) cannot be run on, and describe the ones
+    it runs on poorly.
 
     Works on labels alone, so it can run before any feature is extracted.
 
     Args:
         train_labels, test_labels: (N,) and (M,) class indices into ``classes`` (test labels
             None: not checked).
-        val_fraction, seed: the selection split :func:`run_probe` will make.
+        val_fraction, seed: the selection split :func:`run_probe` will make (or the trainer's
+            validation split: the same seeded stratified rule).
+        held_out: what the held-out share is called in the messages ("selection", "validation").
+        user: who needs the classes, for the message ("a linear probe", "a classifier").
 
     Returns:
         warnings: classes with no training image (never predicted), with one (absent from the
@@ -264,15 +270,13 @@ def check_probe_labels(
     trained = np.flatnonzero(train_counts)
     if len(trained) < 2:
         names = [classes[int(i)] for i in trained]
-        raise ValueError(
-            f"a linear probe needs at least 2 classes with training images; this data has {len(trained)} {names}"
-        )
+        raise ValueError(f"{user} needs at least 2 classes with training images; this data has {len(trained)} {names}")
     if test_labels is not None and len(test_labels) == 0:
         raise ValueError("the test split has no images")
     _, held = stratified_split(train_labels, val_fraction, seed)
     if len(held) == 0:
         raise ValueError(
-            f"the selection split ({val_fraction:g} of train) is empty: no class has 2 training images "
+            f"the {held_out} split ({val_fraction:g} of train) is empty: no class has 2 training images "
             f"(largest: {train_counts.max()})"
         )
 
@@ -284,7 +288,7 @@ def check_probe_labels(
     single = np.flatnonzero(train_counts == 1)
     if len(single):
         messages.append(
-            f"classes with one training image have none in the selection split, so selection ignores them: "
+            f"classes with one training image have none in the {held_out} split, so {held_out} ignores them: "
             f"{named(single)}"
         )
     if test_counts is not None:

@@ -21,12 +21,12 @@ from .encode import (
 from .media.image import IMAGE_EXTENSIONS, ImageLoadError, ImageTooLargeError, image_size, load_image
 from .media.packing import DEFAULT_MAX_PATCHES_PER_PACK, Pack, PackItem, pack_images
 from .media.processor import ImageBatch, ImagePlan, ImageSizeError, MoonViTImageProcessor, patchify, unpatchify
-from .media.video import MoonViTVideoProcessor, VideoBatch, VideoFrames, VideoLoadError
+from .media.video import MoonViTVideoProcessor, VideoBatch, VideoFrames, VideoLoadError, VideoNotSupportedError
 from .model.config import PRESETS, MoonViTConfig, preset_config
 from .model.encoder import MoonViT, MoonViTOutput
 from .model.grid import PackedGrid, build_packed_grid, tokens_per_image
 from .model.interface import VisionEncoder
-from .weights.checkpoint import CheckpointError
+from .weights.storage import CheckpointError
 
 __version__ = "0.1.0"
 
@@ -54,6 +54,7 @@ __all__ = [
     "VideoBatch",
     "VideoFrames",
     "VideoLoadError",
+    "VideoNotSupportedError",
     "VisionEncoder",
     "build_packed_grid",
     "encode_images",

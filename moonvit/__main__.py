@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import warnings
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -18,6 +19,7 @@ from PIL import Image
 
 from . import __version__
 from .cli import (
+    add_attn_argument,
     add_budget_argument,
     add_checkpoint_argument,
     add_device_argument,
@@ -26,18 +28,18 @@ from .cli import (
     add_side_limit_argument,
     add_threads_argument,
     apply_threads,
-    existing_file,
+    existing_path,
     exit_on,
     one_line_warnings,
     output_dir,
     torch_dtype,
 )
 from .encode import iter_encode_images
-from .files import atomic_path, save_safetensors_atomic, write_text_atomic
-from .media.image import ImageInput, image_size
+from .files import atomic_path, files_below, save_safetensors_atomic, skipped_line, write_text_atomic
+from .media.image import IMAGE_EXTENSIONS, ImageInput, ImageLoadError, image_size
 from .media.processor import MoonViTImageProcessor
-from .media.video import VideoFrames, VideoSource, probe_video
-from .model.attention import attention_names
+from .media.video import VIDEO_EXTENSIONS, MoonViTVideoProcessor, VideoFrames, VideoSource, probe_video
+from .model.attention import resolve_attn_implementation
 from .model.config import PRESETS
 from .model.encoder import MoonViT
 from .names import path_keys, unique_names
@@ -94,19 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--images",
         nargs="+",
-        type=existing_file,
-        help="image files (default: built-in samples); keyed by their paths relative to the folder they share",
+        type=existing_path,
+        help="image files or folders (every image below a folder, recursively); keyed by their paths relative to "
+        "the folder they share (default, with no --videos either: built-in samples)",
     )
     parser.add_argument(
         "--videos",
         nargs="+",
-        type=existing_file,
-        help="video files (needs a tower with a temporal table: a Kimi-K2.5 / K2.6 checkpoint or the so400m-3d "
+        type=existing_path,
+        help="video files or folders (needs a tower with a temporal table: a Kimi-K2.5 / K2.6 checkpoint or a -3d "
         "preset); with the built-in samples, such a tower also encodes a built-in clip",
     )
     add_dtype_argument(parser, "bf16", "compute dtype", choices=("bf16", "fp16", "fp32", "fp64"))
     add_device_argument(parser)
-    parser.add_argument("--attn", default="auto", choices=attention_names(), help="attention backend (default: auto)")
+    add_attn_argument(parser)
     add_threads_argument(parser)
     add_budget_argument(parser)
     add_side_limit_argument(parser)
@@ -132,10 +135,30 @@ def main(argv: list[str] | None = None) -> None:
         run(args)
 
 
+def expand_folders(paths: list[Path] | None, extensions: frozenset[str], what: str) -> list[Path]:
+    """The files given, each folder replaced by the ``extensions`` files below it (sorted); a folder
+    with none is an error, other files in it are counted in one warning."""
+    files: list[Path] = []
+    for path in paths or []:
+        if not path.is_dir():
+            files.append(path)
+            continue
+        found, skipped = files_below(path, extensions)
+        if not found:
+            raise ImageLoadError(f"{path} holds no {what} ({' '.join(sorted(extensions))})")
+        if skipped:
+            warnings.warn(f"{path}: {skipped_line(skipped)}", stacklevel=2)
+        files.extend(found)
+    return files
+
+
 def run(args: argparse.Namespace) -> None:
     """Encode, then write: nothing is written unless every image was encoded."""
     apply_threads(args.threads)
     dtype = torch_dtype(args.dtype)
+    resolve_attn_implementation(args.attn, torch.device(args.device), dtype)  # one line if it cannot run here
+    image_files = expand_folders(args.images, IMAGE_EXTENSIONS, "images")
+    video_files = expand_folders(args.videos, VIDEO_EXTENSIONS, "videos")
     overrides = {} if args.side_limit_mode is None else {"side_limit_mode": args.side_limit_mode}
     if args.checkpoint:
         encoder = MoonViT.from_pretrained(
@@ -148,12 +171,17 @@ def run(args: argparse.Namespace) -> None:
         encoder = MoonViT.from_preset(args.preset, attn_implementation=args.attn).to(args.device, dtype).eval()
         processor = MoonViTImageProcessor(**overrides)
         source = f"preset {args.preset} (random weights, seed {args.seed})"
-    images: dict[str, ImageInput] = (
-        dict(zip(path_keys(args.images), args.images)) if args.images else dict(sample_images())
-    )
-    videos: dict[str, VideoSource] = dict(zip(path_keys(args.videos), args.videos)) if args.videos else {}
-    if not args.images and not args.videos and encoder.config.max_frames > 1:
-        videos["sample-clip"] = sample_clip()
+    keys = path_keys([*image_files, *video_files])
+    images: dict[str, ImageInput] = dict(zip(keys, image_files))
+    videos: dict[str, VideoSource] = dict(zip(keys[len(image_files) :], video_files))
+    if not image_files and not video_files:  # the built-in samples, only when nothing was given
+        images = dict(sample_images())
+        if encoder.config.max_frames > 1:
+            videos["sample-clip"] = sample_clip()
+    if videos:  # before anything is decoded
+        MoonViTVideoProcessor.for_images(processor).check_tower(
+            encoder.config.max_frames, f"--videos {next(iter(videos))}"
+        )
     inputs: dict[str, ImageInput | VideoSource] = {**images, **videos}
     keys = list(inputs)
 

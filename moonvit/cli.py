@@ -32,13 +32,16 @@ from .files import folder_problem
 from .media.image import ImageLoadError
 from .media.packing import DEFAULT_MAX_PATCHES_PER_PACK
 from .media.processor import ImageSizeError
+from .media.video import VideoNotSupportedError
+from .model.attention import AttentionUnavailableError, attention_names, check_attn_implementation
 from .onnx.export import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET
-from .weights.checkpoint import CheckpointError
 from .weights.hub import is_hub_id
+from .weights.storage import CheckpointError
 
 __all__ = [
     "DTYPES",
     "MIN_PATCH_BUDGET",
+    "add_attn_argument",
     "add_budget_argument",
     "add_checkpoint_argument",
     "add_device_argument",
@@ -48,8 +51,10 @@ __all__ = [
     "add_side_limit_argument",
     "add_threads_argument",
     "apply_threads",
+    "attention_backend",
     "checkpoint_source",
     "device_name",
+    "drop_rate",
     "dtype_name",
     "exit_on",
     "existing_file",
@@ -65,6 +70,7 @@ __all__ = [
     "patch_budget",
     "positive_float",
     "positive_int",
+    "probability",
     "torch_dtype",
 ]
 
@@ -153,6 +159,16 @@ def fraction(text: str) -> float:
     return _number(text, float, lambda v: 0.0 < v < 1.0, "a fraction in (0, 1)")
 
 
+def probability(text: str) -> float:
+    """A number from 0 to 1, both included."""
+    return _number(text, float, lambda v: 0.0 <= v <= 1.0, "a probability in [0, 1]")
+
+
+def drop_rate(text: str) -> float:
+    """A rate from 0 (included) to 1 (excluded): a share that may be dropped, never all of it."""
+    return _number(text, float, lambda v: 0.0 <= v < 1.0, "a rate in [0, 1)")
+
+
 # ---- devices and paths -------------------------------------------------------------------------
 
 
@@ -232,7 +248,7 @@ def checkpoint_source(text: str) -> str:
 
 
 def add_dtype_argument(
-    parser: argparse.ArgumentParser,
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     default: str | None,
     help: str,
     choices: tuple[str, ...] = ("bf16", "fp16", "fp32"),
@@ -255,14 +271,40 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def add_device_argument(parser: argparse.ArgumentParser, help: str = "cpu, cuda or cuda:N") -> None:
+def add_device_argument(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, help: str = "cpu, cuda or cuda:N"
+) -> None:
     """``--device``, defaulting to cuda where there is one."""
     parser.add_argument(
         "--device", type=device_name, default=default_device(), help=f"{help} (default: {default_device()})"
     )
 
 
-def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+def attention_backend(text: str) -> str:
+    """``auto`` or a registered attention backend whose package is installed."""
+    try:
+        check_attn_implementation(text)
+    except ValueError:
+        choices = ", ".join(attention_names())
+        raise argparse.ArgumentTypeError(f"unknown attention backend {text!r}; choose from {choices}") from None
+    except AttentionUnavailableError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def add_attn_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--attn``: the attention backend, checked at parse time (unknown, or its package missing); whether
+    it can run on the chosen device and dtype is checked before any work."""
+    parser.add_argument(
+        "--attn",
+        type=attention_backend,
+        default="auto",
+        metavar="{" + ",".join(attention_names()) + "}",
+        help="attention backend (default: auto)",
+    )
+
+
+def add_threads_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--threads``: torch's CPU threads for this process (default: torch's own choice)."""
     parser.add_argument(
         "--threads",
@@ -290,7 +332,7 @@ def add_budget_argument(parser: argparse.ArgumentParser, default: int = DEFAULT_
 
 
 def add_checkpoint_argument(
-    parser: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup,
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     help: str = "checkpoint folder (Kimi-VL release or this package's format) or hub id owner/name",
     required: bool = False,
 ) -> None:
@@ -298,7 +340,7 @@ def add_checkpoint_argument(
     parser.add_argument("--checkpoint", type=checkpoint_source, required=required, help=help)
 
 
-def add_seed_argument(parser: argparse.ArgumentParser, help: str = "random seed") -> None:
+def add_seed_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, help: str = "random seed") -> None:
     """``--seed``: an integer >= 0 (numpy's generators refuse negative seeds), default 0."""
     parser.add_argument("--seed", type=non_negative_int, default=0, help=f"{help} (default: 0)")
 
@@ -326,9 +368,17 @@ def add_side_limit_argument(parser: argparse.ArgumentParser) -> None:
 @contextmanager
 def exit_on(parser: argparse.ArgumentParser, *errors: type[Exception]) -> Iterator[None]:
     """Turn the package's user-facing errors (:class:`CheckpointError`, :class:`ImageLoadError`,
-    :class:`ImageSizeError`, and ``errors``) into one ``prog: error: ...`` line on stderr and exit
-    status 1."""
-    caught: tuple[type[Exception], ...] = (CheckpointError, ImageLoadError, ImageSizeError, *errors)
+    :class:`ImageSizeError`, :class:`AttentionUnavailableError`, :class:`VideoNotSupportedError` and
+    ``errors``) into one
+    ``prog: error: ...`` line on stderr and exit status 1."""
+    caught: tuple[type[Exception], ...] = (
+        CheckpointError,
+        ImageLoadError,
+        ImageSizeError,
+        AttentionUnavailableError,
+        VideoNotSupportedError,
+        *errors,
+    )
     try:
         yield
     except caught as error:

@@ -9,6 +9,7 @@ forward and returns an :class:`EncodedPack` that splits the outputs per image.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -16,9 +17,10 @@ from typing import Literal
 
 import torch
 
+from .media.image import image_sources
 from .media.packing import DEFAULT_MAX_PATCHES_PER_PACK, MediaInput, Pack, PackItem, pack_images
 from .media.processor import MoonViTImageProcessor
-from .media.video import MoonViTVideoProcessor
+from .media.video import MoonViTVideoProcessor, is_video
 from .model.encoder import MoonViTOutput
 from .model.grid import GridInput, PackedGrid, tokens_per_image
 from .model.interface import VisionEncoder
@@ -48,6 +50,7 @@ class EncodedImage:
         chunk: the chunk's position in its video, None for an image.
         frames: t, the chunk's frames (1 for an image).
         timestamp: seconds of the chunk's first frame, None for an image.
+        frame_indices: the source frames the chunk took, None for an image.
     """
 
     index: int
@@ -57,23 +60,41 @@ class EncodedImage:
     chunk: int | None = None
     frames: int = 1
     timestamp: float | None = None
+    frame_indices: tuple[int, ...] | None = None
+
+    @property
+    def grid_thw(self) -> tuple[int, int, int]:
+        """(frames, rows, cols) the item was encoded at."""
+        return (self.frames, *self.grid_hw)
 
 
 class EncodedImages(list[torch.Tensor]):
-    """:func:`encode_images`' result: a list of one (n_i, 4, D) tensor of merged tokens per image,
-    in input order, with what happened to each image alongside.
+    """:func:`encode_images`' result: a list of one (n_i, 4, D) tensor of merged tokens per image
+    and per video chunk, in input order, with where each entry came from alongside.
+
+    A video gives one entry per chunk, so entries map back to inputs through ``indices``.
 
     Attributes:
-        grid_hws: (rows, cols) each image was encoded at.
-        rescaled: whether each image was scaled below the processor's size to fit the pack
+        results: the :class:`EncodedImage` of each entry (the tokens and all that follows).
+        indices: the input each entry came from (a video's chunks share it).
+        grid_hws: (rows, cols) each entry was encoded at.
+        grid_thws: (frames, rows, cols) each entry was encoded at (1 frame for an image).
+        rescaled: whether each entry was scaled below the processor's size to fit the pack
             budget (its tokens are then fewer than the processor alone would give).
+        chunks, timestamps, frame_indices: each entry's chunk position in its video, the seconds
+            of its first frame and the source frames it took; None for an image.
     """
 
     def __init__(self, results: Iterable[EncodedImage] = ()) -> None:
-        results = list(results)
-        super().__init__(result.tokens for result in results)
-        self.grid_hws: list[tuple[int, int]] = [result.grid_hw for result in results]
-        self.rescaled: list[bool] = [result.rescaled for result in results]
+        self.results: list[EncodedImage] = list(results)
+        super().__init__(result.tokens for result in self.results)
+        self.indices: list[int] = [result.index for result in self.results]
+        self.grid_hws: list[tuple[int, int]] = [result.grid_hw for result in self.results]
+        self.grid_thws: list[tuple[int, int, int]] = [result.grid_thw for result in self.results]
+        self.rescaled: list[bool] = [result.rescaled for result in self.results]
+        self.chunks: list[int | None] = [result.chunk for result in self.results]
+        self.timestamps: list[float | None] = [result.timestamp for result in self.results]
+        self.frame_indices: list[tuple[int, ...] | None] = [result.frame_indices for result in self.results]
 
 
 @dataclass(frozen=True)
@@ -207,9 +228,19 @@ def iter_encode_images(
         max_patches_per_pack: patch budget per encoder forward (see :func:`pack_images`).
         output_device: where the results are put.
         video_processor: for videos (default: :meth:`MoonViTVideoProcessor.for_images` of ``processor``).
+
+    Raises:
+        VideoNotSupportedError: a video for a tower that takes images only, before it is read.
     """
     videos = video_processor or MoonViTVideoProcessor.for_images(processor)
-    for pack in pack_images(images, processor, max_patches_per_pack, videos):
+
+    def checked() -> Iterator[MediaInput]:  # a video for an image-only tower, refused before it is read
+        for index, source in enumerate(image_sources(images)):  # type: ignore[arg-type]
+            if is_video(source):
+                videos.check_tower(encoder.config.max_frames, f"input {index} ({_name(source)}) is a video: it")
+            yield source
+
+    for pack in pack_images(checked(), processor, max_patches_per_pack, videos):
         encoded = encode_pack(encoder, processor, pack, video_processor=videos)
         assert encoded.grid is not None  # without skip_errors every item decodes or raises
         tokens = encoded.split_tokens(encoded.merged.to(output_device))
@@ -219,7 +250,12 @@ def iter_encode_images(
                 item.index, item_tokens, (h, w), item.rescaled,
                 chunk=None if chunk is None else chunk.plan.chunk, frames=item.frames,
                 timestamp=None if chunk is None else chunk.plan.timestamp,
+                frame_indices=None if chunk is None else tuple(chunk.plan.frame_indices),
             )  # fmt: skip
+
+
+def _name(source: object) -> str:
+    return str(source) if isinstance(source, (str, os.PathLike)) else getattr(source, "name", type(source).__name__)
 
 
 def encode_images(
@@ -248,11 +284,11 @@ def encode_images(
             video_processor=video_processor,
         )
     )
-    rescaled = [index for index, flag in enumerate(results.rescaled) if flag]
+    rescaled = sorted({index for index, flag in zip(results.indices, results.rescaled) if flag})
     if rescaled:
         shown = ", ".join(map(str, rescaled[:10])) + (", ..." if len(rescaled) > 10 else "")
         warnings.warn(
-            f"{len(rescaled)} of {len(results)} images were scaled down to fit max_patches_per_pack="
+            f"{len(rescaled)} of {len(set(results.indices))} images were scaled down to fit max_patches_per_pack="
             f"{max_patches_per_pack} (inputs {shown}), so they have fewer tokens than the processor alone "
             "gives; raise max_patches_per_pack to keep their size (result.rescaled flags them)",
             stacklevel=2,

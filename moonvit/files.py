@@ -1,17 +1,27 @@
-"""Files and folders: atomic writes (a temporary name, then a rename), hashes, and what a path is."""
+"""Files and folders: atomic writes (a temporary name, then a rename), hashes, what a path is, and the
+media files below a folder."""
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-__all__ = ["atomic_path", "folder_problem", "save_safetensors_atomic", "sha256_file", "write_text_atomic"]
+__all__ = [
+    "atomic_path",
+    "files_below",
+    "folder_problem",
+    "save_safetensors_atomic",
+    "sha256_file",
+    "skipped_line",
+    "write_text_atomic",
+]
 
 
 @contextmanager
@@ -63,3 +73,22 @@ def folder_problem(path: str | os.PathLike) -> str | None:
     if target.is_dir():
         return None
     return "is a file, not a folder" if target.exists() else "does not exist"
+
+
+def files_below(folder: str | os.PathLike, extensions: Collection[str]) -> tuple[list[Path], dict[str, int]]:
+    """Every file below ``folder`` (recursively) whose lower-cased ending is in ``extensions``, sorted by
+    path relative to the folder, and the other files counted by ending ("" for none)."""
+    root = Path(folder)
+    files = [p for p in root.rglob("*") if p.is_file()]
+    chosen = sorted((p for p in files if p.suffix.lower() in extensions), key=lambda p: p.relative_to(root).as_posix())
+    others = Counter(p.suffix.lower() for p in files if p.suffix.lower() not in extensions)
+    return chosen, dict(others)
+
+
+def skipped_line(skipped: dict[str, int]) -> str:
+    """``3 files skipped for their extension (.txt 2, .json 1)``, or "" when none were."""
+    if not skipped:
+        return ""
+    ordered = sorted(skipped.items(), key=lambda item: (-item[1], item[0]))  # most first, then by name
+    counts = ", ".join(f"{ext or '(none)'} {n}" for ext, n in ordered)
+    return f"{sum(skipped.values())} files skipped for their extension ({counts})"

@@ -15,13 +15,21 @@ from .token_folder import MANIFEST_FILE, RUN_FILE
 
 __all__ = ["VisualTokenDataset", "collate_visual_tokens"]
 
+CHUNK_KEYS = ("video_id", "chunk", "timestamp", "frames", "frame_indices")
+"""What a video chunk's item holds beside an image's keys (from its manifest line)."""
+METADATA_KEYS = frozenset({"id", "grid_hw", "grid_thw", *CHUNK_KEYS})
+"""An item's keys that are not stored tokens."""
+
 
 class VisualTokenDataset(Dataset):
     """The images of an export folder, in manifest (input) order.
 
-    ``dataset[i]`` (or ``dataset.by_id(id)``) is a dict with ``id``, ``grid_hw`` (rows, cols) and
-    each stored kind: ``projected`` (n, llm_hidden) and / or ``merged`` (n, 4, D), in the export
-    dtype, n = rows * cols / 4. Only the image's rows are read from its shard
+    ``dataset[i]`` (or ``dataset.by_id(id)``) is a dict with ``id``, ``grid_hw`` (rows, cols),
+    ``grid_thw`` (frames, rows, cols) and each stored kind: ``projected`` (n, llm_hidden) and / or
+    ``merged`` (n, 4, D), in the export dtype, n = rows * cols / 4. A video's chunk (id
+    ``<video id>#<chunk>``) also has ``video_id``, ``chunk``, ``timestamp`` (seconds of its first
+    frame, what ``projector.video_prompt`` takes), ``frames`` and ``frame_indices``; an image has
+    none of these keys. Only the image's rows are read from its shard
     (``safe_open(...).get_slice``), and the item owns just those rows. Shards are opened on
     first use in each process and open handles are not pickled, so the dataset works with
     DataLoader workers; ``DataLoader(dataset, batch_size=B, collate_fn=collate_visual_tokens)``
@@ -63,7 +71,11 @@ class VisualTokenDataset(Dataset):
         record = self.records[index]
         start, count = record["offset"], record["num_tokens"]
         shard = self._open(record["shard"])
-        item: dict[str, Any] = {"id": record["id"], "grid_hw": tuple(record["grid_hw"])}
+        grid_hw = tuple(record["grid_hw"])
+        item: dict[str, Any] = {"id": record["id"], "grid_hw": grid_hw, "grid_thw": (record.get("frames", 1), *grid_hw)}
+        for key in CHUNK_KEYS:
+            if key in record:
+                item[key] = tuple(record[key]) if key == "frame_indices" else record[key]
         for kind in self.kinds:
             # The slice may view the shard's whole (memory-mapped) tensor: copy out the image's
             # rows, so that the item owns only them (and a worker sends only them to the loader).
@@ -90,7 +102,8 @@ def collate_visual_tokens(items: Sequence[dict[str, Any]]) -> dict[str, Any]:
     back to back (no padding), as the encoder and ``splice_visual_tokens`` lay them out.
 
     Returns:
-        ``ids`` (list of B ids), ``grid_hws`` (B, 2) int64, ``num_tokens`` (B,) int64 (n_i), and
+        ``ids`` (list of B ids), ``grid_hws`` (B, 2) int64, ``grid_thws`` (B, 3) int64 (frames,
+        rows, cols), ``timestamps`` (list of B seconds, None for images), ``num_tokens`` (B,) int64 (n_i), and
         for each stored kind the items' tokens concatenated in batch order: ``projected``
         (sum n_i, llm_hidden) and / or ``merged`` (sum n_i, 4, D).
         ``batch[kind].split(batch["num_tokens"].tolist())`` gives the items' tokens back.
@@ -101,16 +114,20 @@ def collate_visual_tokens(items: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """
     if not items:
         raise ValueError("collate_visual_tokens got no items")
-    kinds = [key for key in items[0] if key not in ("id", "grid_hw")]
+    kinds = [key for key in items[0] if key not in METADATA_KEYS]
     if not kinds:
         raise ValueError("the items hold no tokens (a VisualTokenDataset made with kinds=())")
     for item in items:
-        other = sorted(key for key in item if key not in ("id", "grid_hw"))
+        other = sorted(key for key in item if key not in METADATA_KEYS)
         if other != sorted(kinds):
             raise ValueError(f"item {item.get('id')!r} holds {other}, the batch's first item {sorted(kinds)}")
     batch: dict[str, Any] = {
         "ids": [item["id"] for item in items],
         "grid_hws": torch.tensor([list(item["grid_hw"]) for item in items], dtype=torch.int64).reshape(-1, 2),
+        "grid_thws": torch.tensor(
+            [list(item.get("grid_thw", (1, *item["grid_hw"]))) for item in items], dtype=torch.int64
+        ).reshape(-1, 3),
+        "timestamps": [item.get("timestamp") for item in items],
         "num_tokens": torch.tensor([len(item[kinds[0]]) for item in items], dtype=torch.int64),
     }
     for kind in kinds:

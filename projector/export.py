@@ -63,7 +63,7 @@ from moonvit.cli import (
 )
 from moonvit.distributed import Ranks, close_ranks, init_ranks
 from moonvit.encode import EncodedPack, encode_pack
-from moonvit.files import save_safetensors_atomic, sha256_file, write_text_atomic
+from moonvit.files import files_below, save_safetensors_atomic, sha256_file, skipped_line, write_text_atomic
 from moonvit.media.packing import group_into_packs, plan_pack_item, plan_video_items
 from moonvit.media.video import VIDEO_EXTENSIONS, MoonViTVideoProcessor, is_video
 from moonvit.weights.checkpoint import CheckpointError, update_weights_digest
@@ -111,11 +111,7 @@ class Inputs:
 
     def skipped_line(self) -> str:
         """``3 files skipped for their extension (.txt 2, .json 1)``, or "" when none were."""
-        if not self.skipped:
-            return ""
-        ordered = sorted(self.skipped.items(), key=lambda item: (-item[1], item[0]))  # most first, then by name
-        counts = ", ".join(f"{ext or '(none)'} {n}" for ext, n in ordered)
-        return f"{sum(self.skipped.values())} files skipped for their extension ({counts})"
+        return skipped_line(self.skipped)
 
 
 def scan_inputs(path: Path) -> Inputs:
@@ -156,11 +152,8 @@ def read_inputs(path: Path) -> list[InputImage]:
 
 
 def _folder_inputs(folder: Path) -> tuple[list[InputImage], dict[str, int]]:
-    media = IMAGE_EXTENSIONS | VIDEO_EXTENSIONS
-    files = [p for p in folder.rglob("*") if p.is_file()]
-    relative = sorted(p.relative_to(folder).as_posix() for p in files if p.suffix.lower() in media)
-    skipped = collections.Counter(p.suffix.lower() for p in files if p.suffix.lower() not in media)
-    return [InputImage(name, str(folder / name)) for name in relative], dict(skipped)
+    files, skipped = files_below(folder, IMAGE_EXTENSIONS | VIDEO_EXTENSIONS)
+    return [InputImage(p.relative_to(folder).as_posix(), str(p)) for p in files], skipped
 
 
 def _text_inputs(file: Path) -> list[InputImage]:
@@ -209,11 +202,7 @@ def plan_input(index: int, image: InputImage, models: Models, budget: int) -> Pl
     """Plan one input from its header alone (scaled down if alone it exceeds ``budget``)."""
     try:
         if is_video(image.path):
-            if models.encoder.config.max_frames < models.video_processor.frames_per_chunk:
-                raise ValueError(
-                    f"a video needs a tower with a temporal table of {models.video_processor.frames_per_chunk} "
-                    f"frames (Kimi-K2.5 / K2.6); this one takes {models.encoder.config.max_frames}"
-                )
+            models.video_processor.check_tower(models.encoder.config.max_frames)
             items = plan_video_items(index, image.path, models.video_processor, budget)
             return PlannedImage(image, tuple(items), None)
         return PlannedImage(image, (plan_pack_item(index, image.path, models.processor, budget),), None)

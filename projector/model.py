@@ -41,17 +41,9 @@ import torch.nn.functional as F
 from moonvit.devices import check_device
 from moonvit.files import save_safetensors_atomic, write_text_atomic
 from moonvit.model.config import DictConfig, MoonViTConfig, merge_kernel
-from moonvit.weights.checkpoint import (
-    CheckpointError,
-    assign_from_files,
-    checkpoint_folder,
-    config_from_file,
-    open_tensor_file,
-    read_json,
-    tensor_files,
-    tensor_names,
-)
+from moonvit.weights.checkpoint import assign_from_files, checkpoint_folder, config_from_file
 from moonvit.weights.hub import HubSnapshot
+from moonvit.weights.storage import CheckpointError, open_tensor_file, read_json, tensor_files, tensor_names
 
 PROJECTOR_TYPES = ("kimi", "mlp2x_gelu")
 CONFIG_FILE = "projector_config.json"

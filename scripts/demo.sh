@@ -9,7 +9,8 @@
 #   3. linear-probe the three shipped checkpoints on scikit-learn's digits, which
 #      none of them saw, and the best on Fashion-MNIST's test split (when Debian's
 #      dataset-fashion-mnist is installed; MOONVIT_DEMO_FASHION_MNIST=0 skips this
-#      probe, about 80 s of the demo's two minutes), each against raw pixels.
+#      probe, about 80 s of the demo's two minutes), each against raw pixels;
+#      MOONVIT_DEMO_PROBES=0 skips the probes altogether.
 # Arguments go to step 1 (`bash scripts/demo.sh --help` lists them); the demo sets
 # --out, --save-checkpoint and --save-images itself. Each run replaces the output
 # folder (outputs/demo, or $MOONVIT_DEMO_OUT) as a whole: the previous run's folder
@@ -78,6 +79,11 @@ fi
     --store merged --shard-size 2
 # Probes of the shipped checkpoints: digits (never seen in training) for the three, Fashion-MNIST's
 # test split for the best; each with the raw-pixel baseline beside it on its first run.
+if [ "${MOONVIT_DEMO_PROBES:-1}" = 0 ]; then
+    echo "demo.sh: MOONVIT_DEMO_PROBES=0: the linear probes are skipped" >&2
+    rm -rf "$previous"
+    exit 0
+fi
 baseline=()
 for name in fm-mae fm-supervised fm-mae-ft; do
     .venv/bin/python -m eval.linear_probe --checkpoint "checkpoints/$name" --dataset digits \

@@ -14,6 +14,22 @@ from moonvit import MoonViT, MoonViTConfig, MoonViTImageProcessor, preset_config
 from projector import MoonViTProjector, ProjectorConfig
 from projector.export import main as export_main
 
+# Bit-equality holds only where both sides are the same call on the same shapes. The same math on
+# packs of other shapes (an image encoded alone and inside a pack, other packings of an export)
+# may take other kernels: oneDNN and MKL choose them by shape and by host (AMX, AVX-512, AVX2), so
+# such results agree to float error, not to the bit. These are the tolerances the tests state.
+ACROSS_SHAPES = {
+    torch.float64: dict(rtol=1e-10, atol=1e-10),
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+}
+
+
+def assert_close_across_shapes(actual: torch.Tensor, expected: torch.Tensor, message: str = "") -> None:
+    """``actual`` equals ``expected`` to the float error of other kernels (:data:`ACROSS_SHAPES`)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, message
+    torch.testing.assert_close(actual, expected, **ACROSS_SHAPES[actual.dtype], msg=message or None)
+
 
 def randomize_(model: MoonViT, seed: int = 0) -> MoonViT:
     """Give every parameter values a faithful port must get right: nonzero biases,
@@ -52,6 +68,7 @@ def write_kimi_vl_folder(
     text_hidden_size: int = 2048,
     other_tensors: dict[str, torch.Tensor] | None = None,
     sharded: bool = False,
+    storage: str = "safetensors",
 ) -> Path:
     """A folder laid out like a Kimi-VL release: ``vision_config`` in config.json,
     tensors under ``vision_tower.``, plus other (language-model, projector) tensors.
@@ -59,6 +76,8 @@ def write_kimi_vl_folder(
     With ``sharded``, the vision tensors are split over two shards, the first of
     which also holds one of the other tensors, and the rest of the other tensors
     go to a third shard of their own, as in the released index files.
+    ``storage="bin"`` writes torch pickles (``pytorch_model*.bin``) as older fine-tunes ship,
+    ``"bin-legacy"`` in torch's pre-1.6 (not memory-mappable) format.
     """
     folder.mkdir(parents=True, exist_ok=True)
     c: MoonViTConfig = model.config
@@ -82,21 +101,29 @@ def write_kimi_vl_folder(
     (folder / "config.json").write_text(json.dumps(config))
     vision = {f"vision_tower.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
     other = dict(other_tensors or {})
+    if storage == "safetensors":
+        stem, suffix, write = "model", "safetensors", save_file
+    else:
+        stem, suffix = "pytorch_model", "bin"
+
+        def write(tensors: dict[str, torch.Tensor], path: Path) -> None:
+            torch.save(tensors, path, _use_new_zipfile_serialization=storage != "bin-legacy")
+
     if not sharded:
-        save_file({**vision, **other}, folder / "model.safetensors")
+        write({**vision, **other}, folder / f"{stem}.{suffix}")
         return folder
     names = list(vision)
     other_names = list(other)
     shards = {
-        "model-00001-of-00003.safetensors": {k: vision[k] for k in names[::2]} | {k: other[k] for k in other_names[:1]},
-        "model-00002-of-00003.safetensors": {k: vision[k] for k in names[1::2]},
-        "model-00003-of-00003.safetensors": {k: other[k] for k in other_names[1:]},
+        f"{stem}-00001-of-00003.{suffix}": {k: vision[k] for k in names[::2]} | {k: other[k] for k in other_names[:1]},
+        f"{stem}-00002-of-00003.{suffix}": {k: vision[k] for k in names[1::2]},
+        f"{stem}-00003-of-00003.{suffix}": {k: other[k] for k in other_names[1:]},
     }
     weight_map = {}
     for file, tensors in shards.items():
-        save_file(tensors, folder / file)
+        write(tensors, folder / file)
         weight_map.update(dict.fromkeys(tensors, file))
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / f"{stem}.{suffix}.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return folder
 
 

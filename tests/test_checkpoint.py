@@ -1,3 +1,4 @@
+import argparse
 import json
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from helpers import SafeOpenSpy, make_checkpoint, random_pack, tiny_model, write
 from safetensors.torch import load_file, save_file
 
 import moonvit.weights.checkpoint as checkpoint
+import moonvit.weights.storage as storage
 from moonvit import CheckpointError, MoonViT, MoonViTConfig
 
 LM_TENSORS = {
@@ -54,7 +56,7 @@ def test_kimi_vl_single_file(tmp_path):
 def test_kimi_vl_sharded_reads_only_vision_tensors(tmp_path, monkeypatch):
     model = tiny_model()
     write_kimi_vl_folder(tmp_path, model, other_tensors=LM_TENSORS, sharded=True)
-    spy = SafeOpenSpy(monkeypatch, checkpoint)
+    spy = SafeOpenSpy(monkeypatch, storage)
     loaded = MoonViT.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert spy.opened == {"model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors"}
     assert spy.read == {f"vision_tower.{k}" for k in model.state_dict()}
@@ -62,12 +64,14 @@ def test_kimi_vl_sharded_reads_only_vision_tensors(tmp_path, monkeypatch):
     assert torch.equal(loaded.patch_embed.pos_emb.weight, model.patch_embed.pos_emb.weight.bfloat16())
 
 
-def test_loading_the_tower_from_a_large_checkpoint_costs_about_the_tower(tmp_path):
+@pytest.mark.parametrize(("storage", "sharded"), [("safetensors", True), ("bin", True), ("bin", False)])
+def test_loading_the_tower_from_a_large_checkpoint_costs_about_the_tower(tmp_path, storage, sharded):
     """A 512 MB language model beside a 1 MB tower: peak memory grows by far less
-    than the language model (measured in a fresh process, from its high-water mark)."""
+    than the language model (measured in a fresh process, from its high-water mark), in
+    safetensors shards and in torch pickles (memory-mapped), even one file holding both."""
     model = tiny_model()
     lm = {f"language_model.layers.{i}.weight": torch.zeros(4096, 4096) for i in range(8)}  # 8 x 64 MB
-    write_kimi_vl_folder(tmp_path, model, other_tensors=lm, sharded=True)
+    write_kimi_vl_folder(tmp_path, model, other_tensors=lm, sharded=sharded, storage=storage)
     script = textwrap.dedent(
         f"""
         import moonvit
@@ -83,6 +87,37 @@ def test_loading_the_tower_from_a_large_checkpoint_costs_about_the_tower(tmp_pat
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     growth_mb = float(result.stdout.strip().splitlines()[-1])
     assert growth_mb < 100, f"peak memory grew by {growth_mb:.0f} MB"
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_pytorch_model_bin_checkpoints_load_as_safetensors_ones_do(tmp_path, sharded):
+    model = tiny_model()
+    write_kimi_vl_folder(tmp_path / "bin", model, sharded=sharded, storage="bin", other_tensors=LM_TENSORS)
+    loaded = MoonViT.from_pretrained(tmp_path / "bin")
+    assert_same_model(model, loaded)
+    # a folder with both reads the safetensors files
+    write_kimi_vl_folder(tmp_path / "bin", tiny_model(seed=1), sharded=sharded)
+    assert_same_model(tiny_model(seed=1), MoonViT.from_pretrained(tmp_path / "bin"))
+
+
+def test_legacy_and_damaged_torch_files_are_named(tmp_path):
+    model = tiny_model()
+    write_kimi_vl_folder(tmp_path / "legacy", model, storage="bin-legacy")
+    with pytest.warns(UserWarning, match=r"pytorch_model\.bin is in torch's legacy .* read whole"):
+        assert_same_model(model, MoonViT.from_pretrained(tmp_path / "legacy"))
+    folder = write_kimi_vl_folder(tmp_path / "cut", model, storage="bin")
+    data = (folder / "pytorch_model.bin").read_bytes()
+    (folder / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"cannot read .*pytorch_model\.bin: .*truncated or corrupt torch file"):
+        MoonViT.from_pretrained(folder)
+    # a training checkpoint pickling more than tensors is not unpickled
+    state = {f"vision_tower.{k}": v for k, v in model.state_dict().items()}
+    torch.save({**state, "args": argparse.Namespace(lr=1e-3)}, folder / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin holds objects other than tensors"):
+        MoonViT.from_pretrained(folder)
+    torch.save({**state, "step": 7}, folder / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="holds a dict holding more than tensors, not a flat dict of tensors"):
+        MoonViT.from_pretrained(folder)
 
 
 def test_dtype_and_device(tmp_path):
@@ -149,7 +184,7 @@ def test_bad_folders_are_named(tmp_path):
     with pytest.raises(CheckpointError, match="not valid JSON"):
         MoonViT.from_pretrained(tmp_path)
     MoonViTConfig(hidden_size=64, num_attention_heads=4).save(tmp_path)
-    with pytest.raises(CheckpointError, match="neither model.safetensors nor model.safetensors.index.json"):
+    with pytest.raises(CheckpointError, match="has none of model.safetensors, model.safetensors.index.json, pytorch"):
         MoonViT.from_pretrained(tmp_path)
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "gone.safetensors"}}))
     with pytest.raises(CheckpointError, match="names gone.safetensors"):

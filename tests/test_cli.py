@@ -3,12 +3,13 @@ import subprocess
 import sys
 
 import pytest
-from helpers import tiny_model
+from helpers import tiny_model, write_video
 from PIL import Image
 from safetensors.torch import load_file
 
 from moonvit import MoonViTImageProcessor
 from moonvit.__main__ import main
+from moonvit.model import attention
 
 
 def test_main_job_on_the_built_in_images(tmp_path, capsys):
@@ -140,7 +141,9 @@ def test_nothing_is_written_when_an_image_fails(tmp_path, capsys):
     "args, message",
     [
         (["--images", "{tmp}/missing.png"], "missing.png does not exist"),
-        (["--images", "{tmp}"], "is a folder, not a file"),
+        (["--images", "{tmp}/empty"], "holds no images"),
+        (["--attn", "flash_attention_2"], "needs flash-attn, which is not installed"),
+        (["--attn", "flash"], "unknown attention backend 'flash'"),
         (["--checkpoint", "{tmp}/file.txt"], "file.txt is a file, not a folder"),
         (["--checkpoint", "{tmp}/nowhere"], "does not exist"),
         (["--out", "{tmp}/file.txt"], "exists and is not a folder"),
@@ -151,10 +154,54 @@ def test_nothing_is_written_when_an_image_fails(tmp_path, capsys):
         (["--dtype", "int8"], "unknown dtype"),
     ],
 )
-def test_user_errors_are_one_usage_line_before_any_work(tmp_path, capsys, args, message):
+def test_user_errors_are_one_usage_line_before_any_work(tmp_path, capsys, args, message, monkeypatch):
     (tmp_path / "file.txt").write_text("x")
-    line = cli_error(capsys, [a.format(tmp=tmp_path) for a in args], 2)
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setattr(attention, "_FLASH_ATTN_INSTALLED", False)  # as here, whether or not a GPU host has it
+    status = 1 if "holds no images" in message else 2  # a folder's contents are read after parsing
+    line = cli_error(
+        capsys, ["--preset", "tiny", "--out", str(tmp_path / "o"), *[a.format(tmp=tmp_path) for a in args]], status
+    )
     assert line.startswith("python -m moonvit: error:") and message in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_flash_attention_where_it_cannot_run_is_one_line(tmp_path, capsys, monkeypatch):
+    """Installed but asked for on the CPU, or in fp32: one line before any work, not a traceback."""
+    monkeypatch.setattr(attention, "_FLASH_ATTN_INSTALLED", True)
+    for extra, reason in (([], "flash-attn needs a CUDA device"), (["--device", "cpu"], "needs a CUDA device")):
+        line = cli_error(capsys, ["--preset", "tiny", "--attn", "flash_attention_2", "--out", str(tmp_path), *extra], 1)
+        assert line.startswith("python -m moonvit: error: attn_implementation='flash_attention_2' cannot run")
+        assert reason in line
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_videos_alone_encode_no_built_in_images(tmp_path, capsys):
+    write_video(tmp_path / "clip.mkv", 20, 10.0, size=(40, 30))  # 4 frames sampled at 2 fps: one chunk
+    main(["--preset", "tiny-3d", "--videos", str(tmp_path / "clip.mkv"), "--out", str(tmp_path / "out")])
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [entry["image"] for entry in summary["images"]] == ["clip.mkv#0"]
+    assert "1 items" in capsys.readouterr().out
+
+
+def test_a_video_for_an_image_only_tower_is_one_line_before_it_is_read(tmp_path, capsys):
+    (tmp_path / "clip.mkv").write_text("not a video: refused before it is opened")
+    line = cli_error(capsys, ["--preset", "tiny", "--videos", str(tmp_path / "clip.mkv"), "--out", str(tmp_path)], 1)
+    assert "--videos clip.mkv needs a tower with a temporal table of 4 frames" in line
+    assert "takes images only" in line and not (tmp_path / "summary.json").exists()
+
+
+def test_a_folder_of_images_is_read_recursively(tmp_path, capsys):
+    (tmp_path / "in" / "a" / "deep").mkdir(parents=True)
+    Image.new("RGB", (60, 40)).save(tmp_path / "in" / "a" / "x.png")
+    Image.new("RGB", (30, 90)).save(tmp_path / "in" / "a" / "deep" / "y.jpg")
+    Image.new("RGB", (28, 28)).save(tmp_path / "z.png")
+    (tmp_path / "in" / "notes.txt").write_text("x")
+    args = ["--preset", "tiny", "--images", str(tmp_path / "in"), str(tmp_path / "z.png"), "--out", str(tmp_path / "o")]
+    with pytest.warns(UserWarning, match=r"in: 1 files skipped for their extension \(\.txt 1\)"):
+        main(args)
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert [entry["image"] for entry in summary["images"]] == ["in/a/deep/y.jpg", "in/a/x.png", "z.png"]
 
 
 def test_a_checkpoint_that_fails_to_load_is_one_error_line(tmp_path, capsys):

@@ -13,6 +13,7 @@ import torch
 import eval.linear_probe as linear_probe
 import moonvit.__main__ as moonvit_main
 import projector.export as export
+import train.config as train_config
 from moonvit import CheckpointError, cli
 from moonvit.cli import add_dtype_argument, dtype_name, fraction, output_dir, positive_int, torch_dtype
 from moonvit.files import atomic_path, write_text_atomic
@@ -96,6 +97,7 @@ PARSERS = {
     "python -m moonvit": moonvit_main.build_parser,
     "projector.export": export.build_parser,
     "eval.linear_probe": linear_probe.build_parser,
+    "python -m train": train_config.build_parser,
     **{name: functools.partial(benchmark_parser, name) for name in BENCHMARK_SCRIPTS},
 }
 CHECKED_NUMBERS = {
@@ -105,6 +107,8 @@ CHECKED_NUMBERS = {
     cli.positive_float: ["0", "-1e-3", "nan", "inf", "x"],
     cli.non_negative_float: ["-0.5", "nan", "x"],
     cli.fraction: ["0", "1", "1.5", "nan"],
+    cli.probability: ["-0.1", "1.5", "nan", "inf"],
+    cli.drop_rate: ["1", "-0.1", "nan", "x"],
 }
 
 
@@ -127,7 +131,9 @@ def test_bad_numbers_end_in_one_usage_error_at_parse_time(name, capsys):
     assert checked or name in ("cuda_check",), f"{name} has no checked number flags"
     for action, bad in checked:
         with pytest.raises(SystemExit) as exit_info:
-            PARSERS[name]().parse_args([f"{action.option_strings[0]}={bad}"])
+            flag = action.option_strings[0]
+            multiple = isinstance(action.nargs, int) and action.nargs > 1  # --randaugment OPS MAGNITUDE
+            PARSERS[name]().parse_args([flag, *[bad] * action.nargs] if multiple else [f"{flag}={bad}"])
         assert exit_info.value.code == 2
         error = capsys.readouterr().err.strip().splitlines()[-1]
         assert f"argument {action.option_strings[0]}" in error and bad in error, error
@@ -159,7 +165,13 @@ def test_cuda_without_cuda_is_refused_at_parse_time(monkeypatch, capsys):
     with_device = [
         name for name, build in PARSERS.items() if any("--device" in a.option_strings for a in actions(build()))
     ]
-    assert with_device == ["python -m moonvit", "projector.export", "eval.linear_probe", "cuda_check"]
+    assert with_device == [
+        "python -m moonvit",
+        "projector.export",
+        "eval.linear_probe",
+        "python -m train",
+        "cuda_check",
+    ]
     for name in with_device:
         for device in ("cuda", "cuda:1"):
             with pytest.raises(SystemExit) as exit_info:
@@ -206,6 +218,8 @@ def test_library_loaders_refuse_cuda_without_cuda(tmp_path, monkeypatch):
         (cli.positive_float, "1e-4", 1e-4),
         (cli.non_negative_float, "0", 0.0),
         (cli.fraction, "0.25", 0.25),
+        (cli.probability, "1", 1.0),
+        (cli.drop_rate, "0", 0.0),
     ],
 )
 def test_checked_numbers_accept_their_range(parse, good, value):

@@ -44,6 +44,7 @@ def expected_items(folder: Path) -> list[dict]:
             {
                 "id": line["id"],
                 "grid_hw": tuple(line["grid_hw"]),
+                "grid_thw": (1, *line["grid_hw"]),
                 "merged": shard["merged"][rows],
                 "projected": shard["projected"][rows],
             }
@@ -83,7 +84,7 @@ def test_lookup_by_id(export_folder):
 
 def test_kinds_select_the_tensors_read(export_folder):
     item = VisualTokenDataset(export_folder, kinds=["projected"])[0]
-    assert set(item) == {"id", "grid_hw", "projected"}
+    assert set(item) == {"id", "grid_hw", "grid_thw", "projected"}
     with pytest.raises(ValueError, match=r"stores \['merged', 'projected'\], not \['hidden'\]"):
         VisualTokenDataset(export_folder, kinds=["hidden"])
 
@@ -118,6 +119,8 @@ def test_collate_packs_variable_length_token_sets_with_their_counts(export_folde
         seen += len(items)
         assert batch["ids"] == [item["id"] for item in items]
         assert batch["grid_hws"].tolist() == [list(item["grid_hw"]) for item in items]
+        assert batch["grid_thws"].tolist() == [[1, *item["grid_hw"]] for item in items]
+        assert batch["timestamps"] == [None] * len(items)
         assert batch["num_tokens"].tolist() == [len(item["merged"]) for item in items]
         assert len({len(item["merged"]) for item in items}) > 1 or len(items) == 1  # the lengths do vary
         for kind in ("merged", "projected"):

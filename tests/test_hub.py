@@ -18,7 +18,7 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 import torch
-from helpers import randomize_, tiny_model
+from helpers import randomize_, tiny_model, write_kimi_vl_folder
 from PIL import Image
 from safetensors.torch import save_file
 
@@ -222,6 +222,21 @@ def test_a_single_file_repository_in_this_package_s_format(tmp_path, offline, mo
     assert same_weights(MoonViTProjector.from_pretrained("me/own"), projector)
 
 
+def test_a_repository_of_torch_pickles_loads_from_its_tower_shards(tmp_path, offline, models, requested):
+    """An older fine-tune with pytorch_model*.bin shards only: the safetensors files known absent,
+    the tower's .bin shards fetched, the language model's not."""
+    encoder, _ = models
+    folder = write_kimi_vl_folder(
+        tmp_path / "bin", encoder, sharded=True, storage="bin", other_tensors={"lm.weight": torch.zeros(8, 8)}
+    )
+    tower = ("config.json", "pytorch_model.bin.index.json", "pytorch_model-00001-of-00003.bin")
+    tower += ("pytorch_model-00002-of-00003.bin",)
+    absent = ("model.safetensors.index.json", "model.safetensors")
+    write_hub_cache(offline, "me/old", {name: folder / name for name in tower}, missing=absent)
+    assert same_weights(MoonViT.from_pretrained("me/old"), encoder)
+    assert sorted(requested) == sorted([*tower, *absent])
+
+
 def test_a_local_folder_wins_over_a_hub_id(tmp_path, offline, monkeypatch, models):
     encoder, _ = models
     encoder.save_pretrained(tmp_path / "moonshotai" / "Kimi-VL-A3B-Instruct")
@@ -272,3 +287,8 @@ def test_the_command_lines_take_a_hub_id_with_hf_hub_offline(tmp_path, models):
     assert result.returncode == 0, result.stderr[-2000:]
     run = json.loads((out / "export" / "run.json").read_text())
     assert run["checkpoint"]["path"] == REPO_ID and run["processor"]["in_token_limit"] == 16384
+    trainer = [sys.executable, "-m", "train", "--objective", "supervised", "--checkpoint", REPO_ID, "--smoke"]
+    trainer += ["--dataset", "digits", "--steps", "2", "--evals", "0", "--threads", "1", "--out", str(out / "train")]
+    result = subprocess.run([*trainer, "--no-progress", "--peak-tflops", "1"], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((out / "train" / "results.json").read_text())["args"]["checkpoint"] == REPO_ID

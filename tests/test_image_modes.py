@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import assert_close_across_shapes
 from PIL import Image
 
 from moonvit import MoonViT, MoonViTImageProcessor, encode_images
-from moonvit.media.image import ImageLoadError, ImageTooLargeError, image_size, load_image
+from moonvit.media.image import ImageLoadError, ImageTooLargeError, ImageWarning, image_size, load_image
 
 
 def write_tiff(path: Path, values: np.ndarray, sample_format: int, min_max: tuple[float, float] | None = None) -> Path:
@@ -82,6 +83,38 @@ def test_integer_tiffs_use_their_sample_type_range(tmp_path, dtype, sample_forma
     path = write_tiff(tmp_path / "int.tif", np.array([values], dtype), sample_format)
     assert Image.open(path).mode == "I"
     assert gray(load_image(path)) == reference(values, low, high)
+
+
+def test_a_picture_the_range_rule_leaves_flat_is_named_in_a_warning(tmp_path):
+    """16-bit data (0..65535) in signed 32-bit samples fills 0.0015% of the declared range: the rule
+    maps it to one grey level; that must not pass silently."""
+    values = np.arange(0, 65536, 257, dtype=np.int32).reshape(16, 16)
+    path = write_tiff(tmp_path / "scan.tif", values, 2)
+    with pytest.warns(
+        ImageWarning,
+        match=r"scan\.tif.*mode 'I' values 0\.\.65535 fill 0\.002% of the range "
+        r"-2147483648\.\.2147483647 .* keeps 1 of 256 grey levels",
+    ):
+        flat = np.asarray(load_image(path))
+    assert flat.std() == 0  # the rule is kept; the warning is what changed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a picture that keeps its contrast, and a constant one, say nothing
+        load_image(write_tiff(tmp_path / "full.tif", np.array([[-(2**31), 2**31 - 1]], np.int32), 2))
+        load_image(write_tiff(tmp_path / "flat.tif", np.zeros((4, 4), np.int32), 2))
+
+
+@pytest.mark.parametrize("suffix", [".gif", ".webp", ".png"])
+def test_an_animated_file_gives_its_first_frame_with_a_warning(tmp_path, suffix):
+    frames = [Image.new("RGB", (24, 16), (60 * i, 100, 200)) for i in range(3)]
+    path = tmp_path / f"anim{suffix}"
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=100, lossless=True)
+    with pytest.warns(ImageWarning, match=rf"anim\{suffix}' is animated \(3 frames"):
+        first = np.asarray(load_image(path))
+    assert np.abs(first.astype(int) - np.asarray(frames[0]).astype(int)).max() <= 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        frames[0].save(tmp_path / f"still{suffix}")
+        load_image(tmp_path / f"still{suffix}")
 
 
 def test_tiff_min_max_tags_set_the_range(tmp_path):
@@ -214,9 +247,12 @@ def test_encode_images_takes_any_iterable():
             return images[index]
 
     expected = encode_images(encoder, processor, images)
-    for source in (tuple(images), iter(images), (image for image in images), Folder(), np.stack(images[:1])):
-        got = encode_images(encoder, processor, source)
-        assert all(torch.equal(a, b) for a, b in zip(got, expected)), type(source).__name__
+    for source in (tuple(images), iter(images), (image for image in images), Folder()):
+        got = encode_images(encoder, processor, source)  # the same pack: the same call on the same shapes
+        assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, expected)), type(source).__name__
+    # a (1, H, W, 3) batch is a pack of one image: other shapes, so float error apart from the pack of three
+    (alone,) = encode_images(encoder, processor, np.stack(images[:1]))
+    assert_close_across_shapes(alone, expected[0])
 
 
 # ---- decompression bombs -----------------------------------------------------------------------

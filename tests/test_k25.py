@@ -196,11 +196,11 @@ def test_tower_and_projector_match_transformers_full_model(k25_folders):
 def test_only_the_vision_tensors_are_read(tmp_path, monkeypatch):
     from helpers import SafeOpenSpy
 
-    import moonvit.weights.checkpoint as checkpoint
+    import moonvit.weights.storage as storage
 
     model = k25_model()
     folder = write_k25_release_folder(tmp_path, model, tiny_projector(model))
-    spy = SafeOpenSpy(monkeypatch, checkpoint)
+    spy = SafeOpenSpy(monkeypatch, storage)
     MoonViT.from_pretrained(folder)
     assert spy.opened == {"model-00001-of-00002.safetensors"}
     assert all(name.startswith("vision_tower.") for name in spy.read)

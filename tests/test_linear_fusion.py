@@ -10,7 +10,9 @@ from helpers import random_pack, tiny_model
 import moonvit.model.linear as fused_linear
 from moonvit.model.linear import linear
 
-pytestmark = pytest.mark.skipif(not fused_linear._ONEDNN, reason="torch built without oneDNN")
+needs_fusion = pytest.mark.skipif(
+    not fused_linear.onednn_bf16_linear(), reason="oneDNN's bf16 linear does not run here (no oneDNN, or no AVX-512)"
+)
 
 
 def layer(n_in=48, n_out=40, seed=0):
@@ -20,6 +22,7 @@ def layer(n_in=48, n_out=40, seed=0):
     return out.bfloat16()
 
 
+@needs_fusion
 @pytest.mark.parametrize("epilogue", ["none", "gelu", "residual"])
 def test_fused_epilogues_match_float32_math_to_bf16_rounding(epilogue):
     fc = layer()
@@ -37,6 +40,7 @@ def test_fused_epilogues_match_float32_math_to_bf16_rounding(epilogue):
     torch.testing.assert_close(out.float(), exact, rtol=2**-8, atol=1e-3)
 
 
+@needs_fusion
 def test_hooks_replacements_autograd_and_float32_take_the_module_call(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", None)  # any use of it would fail
@@ -62,6 +66,7 @@ def test_hooks_replacements_autograd_and_float32_take_the_module_call(monkeypatc
     assert calls == ["hook", "lora"]
 
 
+@needs_fusion
 def test_bf16_encoder_with_and_without_fusion_agree(monkeypatch):
     model = tiny_model(dtype=torch.bfloat16)
     pixels, grids = random_pack([(4, 6), (2, 2), (8, 8)], dtype=torch.bfloat16)
@@ -71,3 +76,13 @@ def test_bf16_encoder_with_and_without_fusion_agree(monkeypatch):
         plain = model(pixels, grids).last_hidden_state
     assert (fused.float() - plain.float()).abs().max() < 0.1  # a few bf16 steps after two blocks
     assert not torch.equal(fused, plain)  # the fused path did run
+
+
+def test_hosts_where_onednn_cannot_build_the_bf16_primitive_take_the_module_call(monkeypatch):
+    """On an AVX2-only CPU (or ONEDNN_MAX_CPU_ISA=AVX2) oneDNN raises for a bf16 inner product:
+    the probe says no, and every call is the plain layer's."""
+    monkeypatch.setattr(fused_linear, "onednn_bf16_linear", lambda: False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", None)  # any use of it would fail
+    fc, x = layer(), torch.randn(5, 48).bfloat16()
+    with torch.no_grad():
+        torch.testing.assert_close(linear(fc, x, gelu_tanh=True), F.gelu(fc(x), approximate="tanh"), rtol=0, atol=0)

@@ -102,9 +102,14 @@ def test_smoke_run_writes_a_probeable_encoder_a_decoder_and_the_picture(tmp_path
     assert list((tmp_path / "pictures").glob("step-*.png"))
 
 
-@pytest.mark.parametrize("flags, message", [(["--token-drop", "0.5"], "masks with --mask-ratio"),
-                                            (["--mixup", "0.2"], "do not apply"),
-                                            (["--mask-ratio", "1"], "must lie in")])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--token-drop", "0.5"], "masks with --mask-ratio"),
+        (["--mixup", "0.2"], "do not apply"),
+        (["--mask-ratio", "1"], "expected a fraction in (0, 1), got 1"),
+    ],
+)
 def test_bad_mae_flags_are_refused(tmp_path, flags, message, capsys):
     with pytest.raises(SystemExit):
         train(*MAE, "--steps", "1", *flags, "--out", tmp_path)

@@ -1,7 +1,13 @@
+from pathlib import Path
+
+import numpy as np
 import torch
 from helpers import tiny_model
+from PIL import Image
 
 from eval.pictures import main, position_similarity, resampled_table
+
+CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 
 
 def test_position_similarity_is_the_cosine_of_every_pair_of_positions():
@@ -23,6 +29,20 @@ def test_pictures_cli_writes_a_png_of_a_checkpoint_table(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     main(["--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "grid.png"), "--grid", "3", "4"])
     assert (tmp_path / "grid.png").is_file()
+
+
+def test_the_readme_command_writes_a_default_file_with_its_whole_title(tmp_path, monkeypatch):
+    """``python -m eval.pictures --checkpoint checkpoints/fm-supervised --grid 4 4`` needs no --out, and the
+    default title, wider than a 4 x 4 picture, wraps: no ink touches the picture's edges."""
+    monkeypatch.chdir(tmp_path)
+    main(["--checkpoint", str(CHECKPOINTS / "fm-supervised"), "--grid", "4", "4"])
+    picture = np.asarray(
+        Image.open(tmp_path / "outputs/pictures/fm-supervised-position-similarity-4x4.png").convert("L")
+    )
+    ink = picture < 128
+    assert not ink[:, 0].any() and not ink[:, -1].any() and not ink[0].any()
+    title_rows = np.flatnonzero(ink.any(axis=1))
+    assert title_rows[0] < picture.shape[0] * 0.2  # the title is drawn, above the maps
 
 
 def test_the_resampled_table_is_what_the_encoder_adds():

@@ -14,6 +14,7 @@ from PIL import Image, ImageDraw, ImageFont
 from eval.linear_probe import main
 from eval.probe import ProbeConfig, ProbeDataWarning, check_probe_labels, run_probe
 from eval.report import save_confusion_png
+from moonvit import IMAGE_EXTENSIONS
 
 FAST = ["--min-steps", "20", "--lrs", "0.1", "--weight-decays", "0", "--threads", "1", "--short-side", "28"]
 
@@ -60,10 +61,12 @@ def test_degenerate_data_is_refused_before_any_work(tmp_path, capsys, counts, me
 
 def test_tiny_classes_are_warned_about_before_the_features_and_recorded(tmp_path, capsys):
     spec = write_tree(tmp_path / "data", {"train/a": 6, "train/b": 5, "train/c": 1, "test/a": 2, "test/b": 2})
+    (tmp_path / "data" / "train" / "d").mkdir()  # a class folder with no image
     with pytest.warns(ProbeDataWarning) as caught:
         results = main(["--preset", "tiny", "--random-init", "--dataset", spec, "--out", str(tmp_path / "out"), *FAST])
     messages = [str(w.message) for w in caught]
     assert messages == [
+        f"class folders of {tmp_path / 'data' / 'train'} with no image ({sorted(IMAGE_EXTENSIONS)}) are left out: 'd'",
         "classes with one training image have none in the selection split, so selection ignores them: 'c'",
         "classes with no test image have no recall and do not count in top-1: 'c'",
     ]  # once each: not again when the probe runs

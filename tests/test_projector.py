@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import SafeOpenSpy, random_pack, randomize_, tiny_model, write_kimi_vl_folder
 from safetensors.torch import load_file, save_file
 
-import moonvit.weights.checkpoint as moonvit_checkpoint
+import moonvit.weights.storage as storage
 from moonvit import CheckpointError, MoonViT
 from projector import MoonViTProjector, ProjectorConfig
 
@@ -224,7 +224,7 @@ def test_kimi_vl_sharded_reads_only_projector_tensors(tmp_path, monkeypatch):
     # Shard 1: vision + the embedding table; shard 2: vision; shard 3: lm_head + projector.
     other = LM_TENSORS | kimi_vl_tensors(projector)
     write_kimi_vl_folder(tmp_path, tiny_model(), text_hidden_size=TEXT, other_tensors=other, sharded=True)
-    spy = SafeOpenSpy(monkeypatch, moonvit_checkpoint)
+    spy = SafeOpenSpy(monkeypatch, storage)
     loaded = MoonViTProjector.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert spy.opened == {"model-00003-of-00003.safetensors"}
     assert spy.read == set(kimi_vl_tensors(projector))

@@ -14,10 +14,12 @@ from moonvit.media.video import (
     MoonViTVideoProcessor,
     VideoFrames,
     VideoLoadError,
+    VideoNotSupportedError,
     format_timestamp,
     probe_video,
     sample_frame_indices,
 )
+from projector import VisualTokenDataset, collate_visual_tokens
 
 pytest.importorskip("av")
 
@@ -204,13 +206,21 @@ def test_encode_images_takes_videos_chunk_by_chunk(tmp_path):
     with torch.no_grad():
         alone = encoder(batch.pixel_values, batch.grid_thws).merged
     torch.testing.assert_close(torch.cat([results[1].tokens, results[2].tokens]), alone, rtol=1e-5, atol=1e-5)
-    assert len(encode_images(encoder, MoonViTImageProcessor(), path)) == 2
+    # encode_images: one entry per chunk, each mapped back to its input
+    encoded = encode_images(encoder, MoonViTImageProcessor(), [image, path, image], video_processor=video)
+    assert len(encoded) == 4 and encoded.indices == [0, 1, 1, 2] and encoded.chunks == [None, 0, 1, None]
+    assert encoded.grid_thws == [(1, *results[0].grid_hw), (4, 4, 4), (2, 4, 4), (1, *results[0].grid_hw)]
+    assert encoded.timestamps == [None, 0.0, results[2].timestamp, None]
+    sampled = sample_frame_indices(30, 10.0)
+    assert encoded.frame_indices == [None, tuple(sampled[:4]), tuple(sampled[4:]), None]
+    assert all(torch.equal(a, r.tokens) for a, r in zip(encoded, results))  # the same packs: the same calls
 
 
-def test_an_image_only_encoder_refuses_clips(tmp_path):
-    path = write_video(tmp_path / "v.mkv", 30, 10.0)
-    with pytest.raises(ValueError, match="no temporal embedding"):
-        encode_images(randomize_(MoonViT(preset_config("tiny"))), MoonViTImageProcessor(), [path])
+def test_an_image_only_encoder_refuses_videos_before_reading_them(tmp_path):
+    (tmp_path / "v.mkv").write_text("not even a video: refused before it is opened")
+    encoder = randomize_(MoonViT(preset_config("tiny")))
+    with pytest.raises(VideoNotSupportedError, match=r"input 1 \(.*v\.mkv\) is a video: it needs a tower with a"):
+        encode_images(encoder, MoonViTImageProcessor(), [frame_pixels(0, 28, 28), tmp_path / "v.mkv"])
 
 
 def test_export_writes_one_record_per_chunk_and_resumes(tmp_path):
@@ -239,3 +249,12 @@ def test_export_writes_one_record_per_chunk_and_resumes(tmp_path):
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.suffix == ".safetensors"}
     run_export("--inputs", inputs, "--checkpoint", checkpoint, "--out", out, "--store", "both", "--dtype", "fp32")
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.suffix == ".safetensors"} == before
+    # read back: a chunk's item carries what video_prompt and expand_media_pads need
+    items = VisualTokenDataset(out)
+    chunk, still = items.by_id("clip.mkv#1"), items.by_id("still.png")
+    assert (chunk["video_id"], chunk["chunk"], chunk["frames"], chunk["grid_thw"]) == ("clip.mkv", 1, 2, (2, 4, 4))
+    assert chunk["timestamp"] == second["timestamp"] and chunk["frame_indices"] == tuple(second["frame_indices"])
+    assert "video_id" not in still and still["grid_thw"] == (1, *still["grid_hw"])
+    batch = collate_visual_tokens([items[0], items[1], items[2]])
+    assert batch["grid_thws"].tolist() == [[4, 4, 4], [2, 4, 4], [1, *still["grid_hw"]]]
+    assert batch["timestamps"] == [0.0, second["timestamp"], None]

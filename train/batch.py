@@ -16,12 +16,24 @@ import torch
 from PIL import Image
 
 from eval.datasets import Split
-from moonvit import MoonViTConfig, MoonViTImageProcessor, PackedGrid, build_packed_grid, image_size, patchify
+from moonvit import (
+    ImageLoadError,
+    MoonViTConfig,
+    MoonViTImageProcessor,
+    PackedGrid,
+    build_packed_grid,
+    image_size,
+    patchify,
+)
 
 from .augment import AugmentConfig, Mixed, augment_image, mix_images
 from .plan import PlannedImage
 
-__all__ = ["Batch", "ImageSource", "render_pack"]
+__all__ = ["Batch", "ImageSource", "UnreadableImageError", "render_pack"]
+
+
+class UnreadableImageError(ValueError):
+    """A planned image could not be decoded when its pack was rendered (the message names the file)."""
 
 
 class ImageSource:
@@ -29,13 +41,25 @@ class ImageSource:
 
     Arrays of (N, H, W) uint8 give grayscale ("L") images, (N, H, W, 3) RGB ones; files are decoded
     by the processor's loader (RGB, EXIF orientation, transparency).
+
+    Args:
+        rows: the split's rows this source holds (default: all).
+        split_sizes: (len(split), 2) int64 (width, height) of every image of the split, when they
+            were read already (else file headers are read on demand).
     """
 
-    def __init__(self, split: Split, processor: MoonViTImageProcessor, rows: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        split: Split,
+        processor: MoonViTImageProcessor,
+        rows: np.ndarray | None = None,
+        split_sizes: np.ndarray | None = None,
+    ) -> None:
         self.split = split
         self.processor = processor
         self.rows = np.arange(len(split)) if rows is None else np.asarray(rows, dtype=np.int64)
         self.labels = np.asarray(split.labels)[self.rows]
+        self.split_sizes = split_sizes
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -45,15 +69,27 @@ class ImageSource:
         images = self.split.images
         if isinstance(images, np.ndarray):
             return np.tile(np.array([images.shape[2], images.shape[1]], dtype=np.int64), (len(self), 1))
+        if self.split_sizes is not None:
+            return self.split_sizes[self.rows]
         return np.array([image_size(images[int(row)]) for row in self.rows], dtype=np.int64).reshape(-1, 2)
 
     def image(self, index: int) -> Image.Image:
-        """Image ``index`` (a position in this source)."""
+        """Image ``index`` (a position in this source).
+
+        Raises:
+            UnreadableImageError: a file that cannot be decoded, named.
+        """
         images = self.split.images
         row = int(self.rows[index])
         if isinstance(images, np.ndarray):
             return Image.fromarray(images[row])
-        return self.processor.load_image(images[row])
+        try:
+            return self.processor.load_image(images[row])
+        except (ImageLoadError, OSError) as error:
+            raise UnreadableImageError(
+                f"image {images[row]} cannot be decoded ({error}); --skip-bad-images checks every image before "
+                "training and leaves out the ones that fail (listed in results.json)"
+            ) from error
 
 
 @dataclass

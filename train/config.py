@@ -15,13 +15,20 @@ from typing import Any
 import moonvit
 from eval.datasets import DEFAULT_FASHION_MNIST_DIR
 from moonvit.cli import (
+    add_checkpoint_argument,
     add_device_argument,
     add_dtype_argument,
+    add_seed_argument,
     add_threads_argument,
+    drop_rate,
+    existing_folder,
     fraction,
+    non_negative_float,
     non_negative_int,
     output_dir,
+    positive_float,
     positive_int,
+    probability,
 )
 
 from .objectives import OBJECTIVES
@@ -34,25 +41,6 @@ NOT_RUN_DEFINING = frozenset({"out", "threads", "device", "save_every", "evals",
 
 SMOKE = {"steps": 30, "eval_limit": 256, "evals": 2}
 """What ``--smoke`` sets: 30 steps (unless a length is given) and evaluations on at most 256 images."""
-
-
-def non_negative_float(text: str) -> float:
-    """A number of at least 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
-
-
-def probability(text: str) -> float:
-    """A number in [0, 1]."""
-    value = non_negative_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1], got {text}")
-    return value
 
 
 def token_drop(text: str) -> TokenDrop:
@@ -75,20 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", type=output_dir, required=True, help="output folder (resumed if it holds this run)")
     length = run.add_mutually_exclusive_group()
     length.add_argument("--steps", type=positive_int, help="optimizer steps")
-    length.add_argument("--epochs", type=float, help="passes over the training images (the step count is derived)")
+    length.add_argument(
+        "--epochs", type=positive_float, help="passes over the training images (the step count is derived)"
+    )
     length.add_argument(
         "--minutes",
-        type=float,
+        type=positive_float,
         help="training time: the step count is fixed before step 0 from timed steps (validation included; "
         "the final test evaluation and export come after)",
     )
-    run.add_argument("--seed", type=int, default=0, help="seed of initialisation, plan, augmentation (default: 0)")
+    add_seed_argument(run, "seed of initialisation, plan, augmentation")
     run.add_argument("--smoke", action="store_true", help="a quick end-to-end check: 30 steps, small evaluations")
 
     model = parser.add_argument_group("model")
     source = model.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", choices=sorted(moonvit.PRESETS), help="a randomly initialised encoder size")
-    source.add_argument("--checkpoint", type=Path, help="start from this tower (Kimi-VL or this project's folder)")
+    add_checkpoint_argument(
+        source, "start from this tower: a checkpoint folder (any format the package reads) or hub id"
+    )
     model.add_argument("--depth", type=positive_int, help="with --preset: number of blocks")
     model.add_argument("--width", type=positive_int, help="with --preset: hidden size")
     model.add_argument("--heads", type=positive_int, help="with --preset: attention heads")
@@ -101,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model.add_argument(
         "--drop-path",
-        type=non_negative_float,
+        type=drop_rate,
         default=0.05,
         help="stochastic depth at the last block, drawn per image, growing linearly from 0 (default: 0.05)",
     )
@@ -109,7 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = parser.add_argument_group("data")
     data.add_argument("--dataset", required=True, help="fashion-mnist, digits or imagefolder:DIR (its train split)")
-    data.add_argument("--data-dir", type=Path, help=f"Fashion-MNIST IDX folder (default: {DEFAULT_FASHION_MNIST_DIR})")
+    data.add_argument(
+        "--data-dir", type=existing_folder, help=f"Fashion-MNIST IDX folder (default: {DEFAULT_FASHION_MNIST_DIR})"
+    )
+    data.add_argument(
+        "--skip-bad-images",
+        action="store_true",
+        help="decode every image file once before training and leave out those that fail (zero-byte, truncated, "
+        "not an image), listing them in results.json (default: an unreadable image is an error)",
+    )
     data.add_argument(
         "--val-fraction",
         type=fraction,
@@ -171,8 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     optim = parser.add_argument_group("optimisation")
-    optim.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of the encoder (default: 2e-3)")
-    optim.add_argument("--head-lr", type=float, help="peak learning rate of the objective's head (default: --lr)")
+    optim.add_argument(
+        "--lr", type=positive_float, default=2e-3, help="peak learning rate of the encoder (default: 2e-3)"
+    )
+    optim.add_argument(
+        "--head-lr", type=positive_float, help="peak learning rate of the objective's head (default: --lr)"
+    )
     optim.add_argument("--min-lr-ratio", type=probability, default=0.01, help="final lr / peak lr (default: 0.01)")
     optim.add_argument(
         "--warmup", type=probability, default=0.05, help="warmup share of the steps, linear (default: 0.05)"
@@ -204,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     runtime.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     runtime.add_argument(
-        "--peak-tflops", type=float, help="matmul peak per process for MFU (default: measured at start)"
+        "--peak-tflops", type=positive_float, help="matmul peak per process for MFU (default: measured at start)"
     )
 
     for cls in OBJECTIVES.values():
@@ -227,14 +231,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(
             "--depth / --width / --heads / --mlp-width / --pos-emb-size shape a --preset; a --checkpoint has its own"
         )
-    if args.drop_path >= 1:
-        parser.error(f"--drop-path must be below 1, got {args.drop_path}")
-    for name in ("lr", "head_lr"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if (args.epochs is not None and args.epochs <= 0) or (args.minutes is not None and args.minutes <= 0):
-        parser.error("--epochs and --minutes must be positive")
+    ops, magnitude = args.randaugment
+    if ops != int(ops) or magnitude > 10:
+        parser.error(
+            f"--randaugment takes a whole number of operations and a magnitude 0-10, got {ops:g} {magnitude:g}"
+        )
     args.eval_limit = None
     if args.smoke:
         args.eval_limit = SMOKE["eval_limit"]

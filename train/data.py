@@ -11,18 +11,29 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+from tqdm import tqdm
 
-from eval.datasets import DatasetError, load_dataset
+from eval.datasets import DatasetError, Split, load_dataset
+from eval.probe import check_probe_labels
 from eval.splits import stratified_split
-from moonvit import MoonViTImageProcessor
+from moonvit import ImageLoadError, MoonViTImageProcessor, image_size
 
 from .batch import ImageSource
 
-__all__ = ["DataError", "TrainingData", "load_training_data"]
+__all__ = ["DataError", "SkippedImage", "TrainingData", "load_training_data", "readable_images"]
 
 
 class DataError(ValueError):
-    """The data cannot be trained on: missing, empty, a single class."""
+    """The data cannot be trained on: missing, empty, a single class, an unreadable image."""
+
+
+@dataclass(frozen=True)
+class SkippedImage:
+    """An image left out by ``--skip-bad-images``: its file, its split and why it could not be read."""
+
+    path: str
+    split: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -32,6 +43,9 @@ class TrainingData:
     classes: class names, indexed by label.
     train, val, test: the training part of train, the validation part, the test split.
     fingerprint: sha256 of the train split's contents (resuming on other data is refused).
+    warnings: what a user should hear of the data (class folders with no image, classes with one
+        training image); printed once and recorded in ``results.json``.
+    skipped: the unreadable images left out (``--skip-bad-images``).
     """
 
     name: str
@@ -40,6 +54,8 @@ class TrainingData:
     val: ImageSource
     test: ImageSource
     fingerprint: str
+    warnings: tuple[str, ...] = ()
+    skipped: tuple[SkippedImage, ...] = ()
 
 
 def _evenly(rows: np.ndarray, limit: int | None) -> np.ndarray:
@@ -49,6 +65,46 @@ def _evenly(rows: np.ndarray, limit: int | None) -> np.ndarray:
     return rows[np.linspace(0, len(rows) - 1, limit).round().astype(np.int64)]
 
 
+def readable_images(
+    split: Split, name: str, processor: MoonViTImageProcessor, skip_bad: bool, progress: bool = False
+) -> tuple[Split, np.ndarray | None, list[SkippedImage]]:
+    """The images of a split that can be read, their (width, height) and the ones left out.
+
+    Every file's header is read (the plan needs its size). With ``skip_bad`` every file is also
+    decoded once, as training will decode it, and the files that fail either way are left out;
+    without it the first unreadable header is an error (a file that only fails to decode is then
+    an error when training reaches it). Arrays are taken as they are (sizes None).
+
+    Raises:
+        DataError: without ``skip_bad``, a file whose header cannot be read; with it, a split left
+            with no image.
+    """
+    if isinstance(split.images, np.ndarray):
+        return split, None, []
+    kept, sizes, skipped = [], [], []
+    paths = list(split.images)
+    what = "checking" if skip_bad else "reading the headers of"
+    for row, path in enumerate(tqdm(paths, desc=f"{what} the {name} images", unit="image", disable=not progress)):
+        try:
+            size = image_size(path)
+            if skip_bad:
+                processor.load_image(path)
+        except (ImageLoadError, OSError) as error:
+            if not skip_bad:
+                raise DataError(
+                    f"{name} image {path} cannot be read ({error}); --skip-bad-images checks every image before "
+                    "training and leaves out the ones that fail (listed in results.json)"
+                ) from error
+            skipped.append(SkippedImage(str(path), name, str(error)))
+            continue
+        kept.append(row)
+        sizes.append(size)
+    if not kept:
+        raise DataError(f"no {name} image can be read ({len(skipped)} skipped; the first: {skipped[0].reason})")
+    rows = np.asarray(kept, dtype=np.int64)
+    return Split([paths[i] for i in rows], split.labels[rows]), np.asarray(sizes, dtype=np.int64), skipped
+
+
 def load_training_data(
     spec: str,
     data_dir: str | os.PathLike | None,
@@ -56,37 +112,44 @@ def load_training_data(
     seed: int,
     processor: MoonViTImageProcessor,
     eval_limit: int | None = None,
+    skip_bad: bool = False,
+    progress: bool = False,
 ) -> TrainingData:
     """Load ``spec``'s splits and check that they can be trained on.
 
     Args:
         eval_limit: evaluate on at most this many validation and test images (``--smoke``).
+        skip_bad: decode every image once and leave out those that fail (see :func:`readable_images`).
+        progress: a progress bar over the image files.
 
     Raises:
-        DataError: a bad spec or missing files, no training images, fewer than two classes.
+        DataError: a bad spec or missing files, no training images, fewer than two classes, an
+            unreadable image (without ``skip_bad``).
     """
     try:
         dataset = load_dataset(spec, data_dir, seed=seed)
     except DatasetError as error:
         raise DataError(str(error)) from error
-    labels = np.asarray(dataset.train.labels)
+    fingerprint = dataset.train.fingerprint()
+    train, train_sizes, skipped = readable_images(dataset.train, "train", processor, skip_bad, progress)
+    test, test_sizes, skipped_test = readable_images(dataset.test, "test", processor, skip_bad, progress)
+    labels = np.asarray(train.labels)
     if len(labels) == 0:
         raise DataError(f"{spec} has no training images")
-    present = np.unique(labels)
-    if len(present) < 2:
-        name = dataset.classes[int(present[0])] if len(dataset.classes) > int(present[0]) else str(present[0])
-        raise DataError(
-            f"{spec} has a single class in its train split ({name!r}, {len(labels)} images): a classifier needs at "
-            "least two"
+    try:
+        label_warnings = check_probe_labels(
+            labels, None, dataset.classes, val_fraction, seed, held_out="validation", user="a classifier"
         )
+    except ValueError as error:
+        raise DataError(f"{spec}: {error}") from error
     train_rows, val_rows = stratified_split(labels, val_fraction, seed)
-    if len(train_rows) == 0:
-        raise DataError(f"{spec} has too few training images ({len(labels)}) to hold out a validation part")
     return TrainingData(
         spec,
         dataset.classes,
-        ImageSource(dataset.train, processor, train_rows),
-        ImageSource(dataset.train, processor, _evenly(val_rows, eval_limit)),
-        ImageSource(dataset.test, processor, _evenly(np.arange(len(dataset.test)), eval_limit)),
-        dataset.train.fingerprint(),
+        ImageSource(train, processor, train_rows, train_sizes),
+        ImageSource(train, processor, _evenly(val_rows, eval_limit), train_sizes),
+        ImageSource(test, processor, _evenly(np.arange(len(test)), eval_limit), test_sizes),
+        fingerprint,
+        (*dataset.notes, *label_warnings),
+        (*skipped, *skipped_test),
     )

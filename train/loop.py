@@ -19,6 +19,7 @@ import math
 import platform
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,13 +30,13 @@ from tqdm import tqdm
 
 import moonvit
 from moonvit import CheckpointError, MoonViT, MoonViTConfig, MoonViTImageProcessor, preset_config
-from moonvit.cli import apply_threads, torch_dtype
+from moonvit.cli import apply_threads, one_line_warnings, torch_dtype
 from moonvit.distributed import Ranks, close_ranks, init_ranks
 from moonvit.files import write_text_atomic
 from moonvit.perf import encoder_flops, matmul_peak
 
 from .augment import AugmentConfig
-from .batch import ImageSource, render_pack
+from .batch import ImageSource, UnreadableImageError, render_pack
 from .checkpoint import RunMismatch, check_same_run, load_state, rng_states, save_state, set_rng_states, state_path
 from .config import parse_args, run_defining
 from .data import DataError, TrainingData, load_training_data
@@ -354,8 +355,8 @@ class Trainer:
 
     def draw(self, path: Path, count: int = 8) -> bool:
         """The objective's picture of the first ``count`` validation images (main rank; every patch)."""
-        if not self.ranks.is_main or self.parallel.fsdp:  # sharded weights: every rank would have to run it
-            return False
+        if not self.objective.draws_pictures or not self.ranks.is_main or self.parallel.fsdp:
+            return False  # sharded weights: every rank would have to run it
         source = self.data.val
         grids = self.plan.eval_grids(source)[:count]
         items = [PlannedImage(i, *grid, grid[0] * grid[1], 0) for i, grid in enumerate(grids)]
@@ -390,6 +391,7 @@ class Trainer:
                     "schedule": self.schedule.state_dict(),
                     "plan": self.plan.packer.state_dict(),
                     "rng": rng_states(),
+                    "threads": torch.get_num_threads(),
                 },
             )
         self.ranks.barrier()
@@ -445,7 +447,26 @@ def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> dict[st
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     encoder, processor = build_encoder(args)
-    data = load_training_data(args.dataset, args.data_dir, args.val_fraction, args.seed, processor, args.eval_limit)
+    data = load_training_data(
+        args.dataset,
+        args.data_dir,
+        args.val_fraction,
+        args.seed,
+        processor,
+        args.eval_limit,
+        skip_bad=args.skip_bad_images,
+        progress=args.progress and ranks.is_main,
+    )
+    if ranks.is_main:
+        for message in data.warnings:
+            warnings.warn(message, stacklevel=1)
+        if data.skipped:
+            first = data.skipped[0]
+            warnings.warn(
+                f"--skip-bad-images left out {len(data.skipped)} unreadable images (the first: {first.path}: "
+                f"{first.reason}); all are listed in results.json",
+                stacklevel=1,
+            )
     objective = OBJECTIVES[args.objective].from_args(encoder, data.classes, args)
     plan = build_plan(args, encoder.config, data, ranks)
     identity = {
@@ -457,6 +478,14 @@ def run(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> dict[st
     saved = load_state(state_path(out))
     if saved is not None:
         check_same_run(saved["run"], identity, out)
+        threads = saved.get("threads")
+        if ranks.is_main and threads is not None and threads != torch.get_num_threads():
+            warnings.warn(
+                f"resuming with {torch.get_num_threads()} threads, where the run so far used {threads}: CPU kernels "
+                "split their sums by thread count, so the result will not be bit-identical to an uninterrupted run "
+                f"(--threads {threads} keeps it so)",
+                stacklevel=1,
+            )
     trainer = Trainer(args, ranks, device, encoder, processor, objective, data, plan)
 
     calibration: dict[str, float] = {}
@@ -566,6 +595,8 @@ def finish(trainer: Trainer, calibration: dict[str, float]) -> dict[str, Any]:
         "sizes": {"train": len(trainer.data.train), "val": len(trainer.data.val), "test": len(trainer.data.test)},
         "files": files,
         "calibration": calibration or None,
+        "data_warnings": list(trainer.data.warnings),
+        "skipped_images": [dataclasses.asdict(image) for image in trainer.data.skipped],
         "threads": torch.get_num_threads(),
         "world_size": ranks.world_size,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -583,8 +614,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     apply_threads(args.threads)
     ranks, device = init_ranks(args.device)
     try:
-        return run(args, ranks, device)
-    except (DataError, RunMismatch, TrainError) as error:
+        with one_line_warnings():
+            return run(args, ranks, device)
+    except (DataError, RunMismatch, TrainError, UnreadableImageError) as error:
         raise SystemExit(f"error: {error}") from error
     finally:
         close_ranks()

@@ -19,7 +19,15 @@ from .image import (
 )
 from .packing import DEFAULT_MAX_PATCHES_PER_PACK, Pack, PackItem, group_into_packs, pack_images, plan_pack_item
 from .processor import ImageBatch, ImagePlan, ImageSizeError, MoonViTImageProcessor, patchify, unpatchify
-from .video import VIDEO_EXTENSIONS, MoonViTVideoProcessor, VideoBatch, VideoFrames, VideoLoadError, is_video
+from .video import (
+    VIDEO_EXTENSIONS,
+    MoonViTVideoProcessor,
+    VideoBatch,
+    VideoFrames,
+    VideoLoadError,
+    VideoNotSupportedError,
+    is_video,
+)
 
 __all__ = [
     "DEFAULT_MAX_PATCHES_PER_PACK",
@@ -34,6 +42,7 @@ __all__ = [
     "VideoBatch",
     "VideoFrames",
     "VideoLoadError",
+    "VideoNotSupportedError",
     "MoonViTImageProcessor",
     "MoonViTVideoProcessor",
     "Pack",

@@ -23,6 +23,7 @@ __all__ = [
     "ImageInput",
     "ImageLoadError",
     "ImageTooLargeError",
+    "ImageWarning",
     "image_size",
     "image_sources",
     "is_image",
@@ -66,6 +67,11 @@ class ImageLoadError(ValueError):
     tensor of the wrong dtype, shape or value range, and a Pillow mode with no RGB conversion or
     no known value range (the message names the mode). Catch it to skip bad inputs.
     """
+
+
+class ImageWarning(UserWarning):
+    """An image was read, but not all of it shows: an animated file's later frames, or a wide-range
+    image whose values fill so little of its declared range that its 8-bit picture is flat."""
 
 
 class ImageTooLargeError(ImageLoadError):
@@ -152,7 +158,11 @@ def load_image(
             - ``La`` (premultiplied alpha) is converted to ``LA`` first;
             - every other mode (1, L, P, RGB, RGBX, CMYK, YCbCr, LAB, HSV, ...) through Pillow's
               ``convert("RGB")``, without colour management.
-        - Multi-frame files give their first frame.
+        - Multi-frame files (animated GIF, WebP, APNG; multi-page TIFF) give their first frame,
+          with an :class:`ImageWarning` naming the file and its frame count.
+        - A wide-range image whose values fill so little of its declared range that fewer than
+          :data:`FLAT_LEVELS` grey levels remain is converted as the rule says, with an
+          :class:`ImageWarning` naming the file, its values and the range.
         - Arrays and tensors: uint8 is taken as is; floating values must lie in [0, 1] and are
           quantised as ``round(x * 255)`` (in float32), since resizing is defined on uint8 pixels.
 
@@ -165,7 +175,7 @@ def load_image(
         path = os.fspath(source)
         with _open_file(path) as image:
             try:
-                return _decode(image, alpha_mode, background_color)
+                return _decode(image, alpha_mode, background_color, repr(path))
             except (OSError, ValueError) as error:
                 raise ImageLoadError(f"cannot decode image file {path!r}: {error}") from error
     if isinstance(source, Image.Image):
@@ -176,10 +186,10 @@ def load_image(
         image = _array_to_pil(_tensor_to_array(source), "image tensors")
     else:
         raise _unsupported(source)
+    name = getattr(image, "filename", "") or "in memory"
     try:
-        return _decode(image, alpha_mode, background_color)
+        return _decode(image, alpha_mode, background_color, f"PIL image ({name})")
     except (OSError, ValueError) as error:
-        name = getattr(image, "filename", "") or "in memory"
         raise ImageLoadError(f"cannot decode PIL image ({name}): {error}") from error
 
 
@@ -236,17 +246,25 @@ def _check_nonempty(size: Size) -> None:
         raise ImageLoadError(f"image has zero size ({size[0]}x{size[1]} px)")
 
 
-def _decode(image: Image.Image, alpha_mode: AlphaMode, background: tuple[int, int, int]) -> Image.Image:
+def _decode(image: Image.Image, alpha_mode: AlphaMode, background: tuple[int, int, int], name: str) -> Image.Image:
     _check_nonempty(image.size)
+    frames = getattr(image, "n_frames", 1)
+    if frames > 1:
+        warnings.warn(
+            f"{name} is animated ({frames} frames, {image.format}): its first frame is taken as the image; "
+            "to encode it as a clip, decode the frames and pass VideoFrames(frames, fps)",
+            ImageWarning,
+            stacklevel=3,
+        )
     transpose = _TRANSPOSE.get(_orientation(image))  # read before decoding, as image_size() does
     image.load()  # so that a file's image outlives the file
-    rgb = _to_rgb(image, alpha_mode, background)
+    rgb = _to_rgb(image, alpha_mode, background, name)
     return rgb if transpose is None else rgb.transpose(transpose)
 
 
-def _to_rgb(image: Image.Image, alpha_mode: AlphaMode, background: tuple[int, int, int]) -> Image.Image:
+def _to_rgb(image: Image.Image, alpha_mode: AlphaMode, background: tuple[int, int, int], name: str) -> Image.Image:
     if image.mode in _WIDE_MODES:
-        image = _to_8bit(image)
+        image = _to_8bit(image, name)
     elif image.mode == "La":  # Pillow converts La to LA only
         image = image.convert("LA")
     try:
@@ -259,7 +277,12 @@ def _to_rgb(image: Image.Image, alpha_mode: AlphaMode, background: tuple[int, in
         raise ImageLoadError(f"cannot convert Pillow mode {image.mode!r} to RGB: {error}") from error
 
 
-def _to_8bit(image: Image.Image) -> Image.Image:
+# A wide-range image whose values span fewer 8-bit levels than this, though they vary, comes out
+# flat enough that the range rule, not the picture, is what the encoder sees: a warning says so.
+FLAT_LEVELS = 4
+
+
+def _to_8bit(image: Image.Image, name: str) -> Image.Image:
     """A single-band ``I;16*``, ``I`` or ``F`` image as mode L, its value range mapped onto 0-255."""
     values = np.asarray(image)
     tags = getattr(image, "tag_v2", None) if image.format == "TIFF" else None
@@ -268,7 +291,23 @@ def _to_8bit(image: Image.Image) -> Image.Image:
     values = values.astype(np.float64)
     low, high = _value_range(image, values, tags)
     scaled = np.floor((np.clip(values, low, high) - low) * (255 / (high - low)) + 0.5)
+    vmin, vmax = float(values.min()), float(values.max())
+    if vmax > vmin and scaled.max() - scaled.min() < FLAT_LEVELS:
+        share = (vmax - vmin) / (high - low)
+        warnings.warn(
+            f"{name}: Pillow mode {image.mode!r} values {_number(vmin)}..{_number(vmax)} fill {share:.3%} of the "
+            f"range {_number(low)}..{_number(high)} its file declares, so its 8-bit picture keeps "
+            f"{int(scaled.max() - scaled.min()) + 1} "
+            "of 256 grey levels (nearly flat); if the data means another range, convert it first "
+            "(e.g. to 'I;16' for 0-65535, or scale to 'L')",
+            ImageWarning,
+            stacklevel=5,
+        )
     return Image.fromarray(scaled.astype(np.uint8))
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if value.is_integer() else f"{value:g}"
 
 
 def _tiff_sample_type(tags: Any) -> tuple[str, int]:

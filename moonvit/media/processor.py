@@ -38,9 +38,9 @@ from PIL import Image
 
 from ..files import write_text_atomic
 from ..model.config import merge_kernel
-from ..weights.checkpoint import CheckpointError, read_json
 from ..weights.config_keys import warn_unread_keys
 from ..weights.hub import HubSnapshot, resolve_pretrained
+from ..weights.storage import CheckpointError, read_json
 from .image import (
     AlphaMode,
     ImageInput,

@@ -50,6 +50,7 @@ __all__ = [
     "VideoFrames",
     "VideoInfo",
     "VideoLoadError",
+    "VideoNotSupportedError",
     "format_timestamp",
     "is_video",
     "sample_frame_indices",
@@ -63,6 +64,11 @@ class VideoLoadError(ImageLoadError):
     """A video cannot be read: missing, empty, truncated or not a video, no video stream, no
     frames, no frame rate, or a frame size that changes mid-stream. The message names the file.
     A subclass of :class:`ImageLoadError`, so code that skips bad images skips bad videos too."""
+
+
+class VideoNotSupportedError(ValueError):
+    """A video was given to a tower that takes images only (its temporal table is shorter than a
+    chunk: Kimi-VL's MoonViT has none). Raised before anything is decoded."""
 
 
 @dataclass(frozen=True)
@@ -342,6 +348,19 @@ class MoonViTVideoProcessor:
             "frames_per_chunk": self.frames_per_chunk,
             "in_patch_limit_each_frame": self.frame_processor.in_token_limit,
         }
+
+    def check_tower(self, max_frames: int, name: str = "a video") -> None:
+        """Refuse videos for a tower whose clips hold fewer than :attr:`frames_per_chunk` frames.
+
+        Raises:
+            VideoNotSupportedError: naming ``name`` and both frame counts.
+        """
+        if max_frames < self.frames_per_chunk:
+            kind = "takes images only" if max_frames == 1 else f"takes clips of at most {max_frames} frames"
+            raise VideoNotSupportedError(
+                f"{name} needs a tower with a temporal table of {self.frames_per_chunk} frames (Kimi-K2.5 / K2.6, "
+                f"K3, or a -3d preset); this one {kind}: use such a tower, or pass the frames as images"
+            )
 
     # ---- planning ------------------------------------------------------------------------
 

@@ -39,6 +39,11 @@ _FLASH_ATTN_INSTALLED = importlib.util.find_spec("flash_attn") is not None
 _logged_fallbacks: set[str] = set()
 
 
+class AttentionUnavailableError(RuntimeError):
+    """An attention backend asked for by name cannot run: its package is missing, or the device or
+    dtype does not suit it (the message says which)."""
+
+
 def flash_attn_installed() -> bool:
     return _FLASH_ATTN_INSTALLED
 
@@ -177,7 +182,7 @@ def check_attn_implementation(name: str) -> None:
     check_attn_name(name)
     reason = None if name == "auto" else _BACKENDS[name].installed()
     if reason is not None:
-        raise RuntimeError(f"attn_implementation={name!r} cannot be used: {reason}")
+        raise AttentionUnavailableError(f"attn_implementation={name!r} cannot be used: {reason}")
 
 
 def resolve_attn_implementation(requested: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -188,13 +193,13 @@ def resolve_attn_implementation(requested: str, device: torch.device, dtype: tor
     logs, once per reason, why an earlier one could not.
 
     Raises:
-        RuntimeError: a named backend cannot run on this device or dtype.
+        AttentionUnavailableError: a named backend cannot run on this device or dtype.
     """
     if requested != "auto":
         backend = _BACKENDS[requested]
         reason = backend.installed() or backend.unavailable(device, dtype)
         if reason is not None:
-            raise RuntimeError(f"attn_implementation={requested!r} cannot run: {reason}")
+            raise AttentionUnavailableError(f"attn_implementation={requested!r} cannot run: {reason}")
         return requested
     skipped: list[str] = []
     for backend in _BACKENDS.values():
@@ -206,7 +211,7 @@ def resolve_attn_implementation(requested: str, device: torch.device, dtype: tor
                 _log_fallback(skipped[0], backend.name, device)
             return backend.name
         skipped.append(reason)
-    raise RuntimeError(f"no attention backend can run on {device} in {dtype}: {'; '.join(skipped)}")
+    raise AttentionUnavailableError(f"no attention backend can run on {device} in {dtype}: {'; '.join(skipped)}")
 
 
 def _log_fallback(reason: str, chosen: str, device: torch.device) -> None:

@@ -114,6 +114,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "small": dict(num_hidden_layers=6, hidden_size=384, num_attention_heads=6, intermediate_size=1536),
     # Tests: a few hundred thousand parameters.
     "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128),
+    # The same two with K2.5's 4-frame temporal table: quick video checks.
+    "small-3d": dict(
+        num_hidden_layers=6, hidden_size=384, num_attention_heads=6, intermediate_size=1536, init_pos_emb_time=4
+    ),
+    "tiny-3d": dict(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, init_pos_emb_time=4
+    ),
 }
 
 

@@ -15,6 +15,8 @@ back to the module's own forward everywhere else, so that:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -27,6 +29,22 @@ __all__ = ["linear"]
 # bits with autograd on and off (a frozen encoder inside a trained model).
 _FUSED_DTYPES = (torch.bfloat16,)
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@functools.cache
+def onednn_bf16_linear() -> bool:
+    """Whether oneDNN's fused bf16 linear runs on this host. It needs AVX-512 (or AMX): on an
+    AVX2-only CPU, or with ``ONEDNN_MAX_CPU_ISA`` set below AVX-512, oneDNN cannot build the
+    primitive and raises, so it is tried once on a tiny input before it is ever used."""
+    if not _ONEDNN:
+        return False
+    x, weight = torch.ones(2, 16, dtype=torch.bfloat16), torch.ones(8, 16, dtype=torch.bfloat16)
+    try:
+        with torch.no_grad():
+            out = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return bool((out == 16).all())
 
 
 def _fusable(layer: nn.Module, x: torch.Tensor) -> bool:
@@ -43,6 +61,7 @@ def _fusable(layer: nn.Module, x: torch.Tensor) -> bool:
         and not (_module._global_forward_hooks or _module._global_forward_pre_hooks)
         and not torch.compiler.is_compiling()
         and not torch.onnx.is_in_onnx_export()
+        and onednn_bf16_linear()
     )
 
 

@@ -7,6 +7,7 @@ builds transformers' ``Kimi_K25VisionModel`` from an encoder, the independent
 peer used by the parity tests and the benchmark.
 """
 
-from .checkpoint import CheckpointError, update_weights_digest
+from .checkpoint import update_weights_digest
+from .storage import CheckpointError
 
 __all__ = ["CheckpointError", "update_weights_digest"]

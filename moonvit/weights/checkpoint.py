@@ -1,7 +1,8 @@
 """Reading and writing MoonViT checkpoints.
 
 Read from a local folder (or a Hugging Face hub id, fetched by :mod:`.hub` into
-its cache first, only the files needed):
+its cache first, only the files needed), in safetensors or torch pickle files
+(``pytorch_model.bin``, memory-mapped; see :mod:`.storage`):
 
 - Kimi-VL's and Kimi-K2.5 / K2.6's releases: ``config.json`` with a
   ``vision_config`` and tensors named ``vision_tower.<name>``, usually sharded
@@ -20,53 +21,29 @@ the ``vision_tower.`` prefix, so the release layouts need no renaming.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn as nn
-from safetensors import SafetensorError, safe_open
 
 from ..devices import check_device
 from ..files import folder_problem, save_safetensors_atomic
 from ..model.config import DictConfig, MoonViTConfig
 from .config_keys import warn_unread_keys
 from .formats import TOWER_PREFIXES, TensorSource, TowerLayout, detect_tower_layout, encoder_config_from_json
+from .storage import SINGLE_FILE, CheckpointError, open_tensor_file, read_json, tensor_files, tensor_names
 
 if TYPE_CHECKING:
     from ..model.encoder import MoonViT
     from .hub import HubSnapshot
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be loaded as it stands."""
-
-
 C = TypeVar("C", bound=DictConfig)
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from ``path``; anything else is a :class:`CheckpointError` naming the file."""
-    try:
-        values = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path} is not valid JSON: {err}") from err
-    except UnicodeDecodeError as err:
-        raise CheckpointError(f"{path} is not a text file: {err}") from err
-    except OSError as err:
-        raise CheckpointError(f"cannot read {path}: {err}") from err
-    if not isinstance(values, dict):
-        raise CheckpointError(f"{path} holds a JSON {type(values).__name__}, not an object")
-    return values
 
 
 def config_from_file(cls: type[C], values: dict[str, Any], path: Path, also_read: Iterable[str] = ()) -> C:
@@ -92,56 +69,6 @@ def read_config(folder: Path) -> tuple[MoonViTConfig, TowerLayout]:
         raise CheckpointError(f"{path}: {error}") from error
     names = () if family == "own" else tensor_names(folder)
     return config, detect_tower_layout(names, family, config.num_attention_heads)
-
-
-def tensor_names(folder: Path) -> list[str]:
-    """Every tensor name of a folder, from its index (no shard opened) or its single file's header;
-    none when it has neither (yet)."""
-    if (folder / INDEX_FILE).is_file():
-        return list(read_weight_map(folder / INDEX_FILE))
-    if (folder / SINGLE_FILE).is_file():
-        with open_tensor_file(folder / SINGLE_FILE) as f:
-            return list(f.keys())
-    return []
-
-
-@contextmanager
-def open_tensor_file(path: Path) -> Iterator[Any]:
-    """``safe_open(path)``, its failures (a truncated or corrupt file) a :class:`CheckpointError` naming it."""
-    try:
-        with safe_open(path, framework="pt") as handle:
-            yield handle
-    except SafetensorError as err:
-        raise CheckpointError(f"cannot read {path}: {err} (a truncated or corrupt safetensors file)") from err
-    except OSError as err:
-        raise CheckpointError(f"cannot read {path}: {err}") from err
-
-
-def read_weight_map(index: Path) -> dict[str, str]:
-    """The ``weight_map`` (tensor name -> shard file name) of a safetensors index file."""
-    weight_map = read_json(index).get("weight_map")
-    if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
-        raise CheckpointError(f"{index} has no weight_map of tensor names to file names")
-    return weight_map
-
-
-def tensor_files(folder: Path, prefix: str | tuple[str, ...]) -> dict[Path, list[str]]:
-    """Map each safetensors file that holds tensors under ``prefix`` (or any of several) to those names."""
-    index = folder / INDEX_FILE
-    if index.is_file():
-        files: dict[Path, list[str]] = defaultdict(list)
-        for name, file_name in read_weight_map(index).items():
-            if name.startswith(prefix):
-                files[folder / file_name].append(name)
-        for file in files:
-            if not file.is_file():
-                raise CheckpointError(f"{index} names {file.name}, which is not in {folder}")
-        return dict(files)
-    single = folder / SINGLE_FILE
-    if not single.is_file():
-        raise CheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-    with open_tensor_file(single) as f:
-        return {single: [name for name in f.keys() if name.startswith(prefix)]}  # noqa: SIM118 (a safe_open handle, not a dict)
 
 
 def checkpoint_folder(source: str | os.PathLike, fetch: Callable[[HubSnapshot], None]) -> Path:
@@ -222,34 +149,32 @@ def assign_from_files(
             f"{folder} does not match the {type(model).__name__} config: "
             + "; ".join([*count_mismatches(found, set(needed)), *name_lists(missing=missing, unexpected=unexpected)])
         )
-    wrong_shape = []
-    for file, names in files.items():
-        with open_tensor_file(file) as f:
+    with ExitStack() as stack:  # each file opened once (a legacy torch pickle is read whole)
+        opened = {file: stack.enter_context(open_tensor_file(file)) for file in files}
+        wrong_shape = []
+        for file, names in files.items():
             for ckpt in names:
                 name = needed[ckpt][0]
-                shape, wanted = tuple(f.get_slice(ckpt).get_shape()), sources[name].part_shape(params[name].shape)
+                shape, wanted = opened[file].shape(ckpt), sources[name].part_shape(params[name].shape)
                 if shape != wanted:
                     wrong_shape.append(f"{ckpt}: {shape}, expected {wanted}")
-    if wrong_shape:
-        shown = "; ".join(wrong_shape[:3]) + ("; ..." if len(wrong_shape) > 3 else "")
-        raise CheckpointError(
-            f"{folder} has {len(wrong_shape)} tensors of the wrong shape for the config (are its widths "
-            f"those of the checkpoint?): {shown}"
-        )
+        if wrong_shape:
+            shown = "; ".join(wrong_shape[:3]) + ("; ..." if len(wrong_shape) > 3 else "")
+            raise CheckpointError(
+                f"{folder} has {len(wrong_shape)} tensors of the wrong shape for the config (are its widths "
+                f"those of the checkpoint?): {shown}"
+            )
 
-    if dtype is None:
-        first_matrix = sources[next(name for name, p in params.items() if p.ndim >= 2)].names[0]
-        file = next(file for file, names in files.items() if first_matrix in names)
-        with open_tensor_file(file) as f:
-            dtype = f.get_slice(first_matrix)[:1].dtype
-    # safetensors maps the file lazily; copy each tensor out so the model never
-    # aliases the file (which a later save to the same folder would overwrite).
-    parts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
-    for file, names in files.items():
-        with open_tensor_file(file) as f:
+        if dtype is None:
+            first_matrix = sources[next(name for name, p in params.items() if p.ndim >= 2)].names[0]
+            dtype = opened[next(file for file, names in files.items() if first_matrix in names)].dtype(first_matrix)
+        # Both formats map the file lazily; copy each tensor out so the model never
+        # aliases the file (which a later save to the same folder would overwrite).
+        parts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+        for file, names in files.items():
             for ckpt in names:
                 name, i = needed[ckpt]
-                parts[name][i] = f.get_tensor(ckpt).to(device=device or "cpu", dtype=dtype, copy=True)
+                parts[name][i] = opened[file].tensor(ckpt).to(device=device or "cpu", dtype=dtype, copy=True)
     state = {name: sources[name].combine([parts[name][i] for i in range(len(sources[name].names))]) for name in params}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()

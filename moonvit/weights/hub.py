@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from .checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointError, read_weight_map
+from .storage import WEIGHT_FILES, CheckpointError, read_weight_map
 
 __all__ = ["HubSnapshot", "is_hub_id", "resolve_pretrained", "source_label"]
 
@@ -91,22 +91,27 @@ class HubSnapshot:
 
     def tensors(self, *prefixes: str) -> None:
         """Fetch the tensor files that hold names starting with any of ``prefixes`` ("" for all):
-        through the safetensors index when the repository has one, else its single file."""
-        try:
-            index = self._fetch(INDEX_FILE)
-        except _NotCached:
-            if self._cached(SINGLE_FILE) is None:
-                raise CheckpointError(
-                    f"neither {INDEX_FILE} nor {SINGLE_FILE} of hub repository {self.repo_id} is in the "
-                    f"hub cache, and the hub cannot be reached{self._offline_hint()}"
-                ) from None
-            index = None
-        if index is None:
-            self.file(SINGLE_FILE)
-            return
-        shards = {file for name, file in read_weight_map(index).items() if name.startswith(prefixes)}
-        for shard in sorted(shards):
-            self.file(shard)
+        through an index when the repository has one, else its single file; safetensors first,
+        then torch pickles (``pytorch_model.bin``), as the loaders prefer them."""
+        for index_name, single_name in WEIGHT_FILES:
+            try:
+                index = self._fetch(index_name)
+            except _NotCached:
+                if self._cached(single_name) is None:
+                    raise CheckpointError(
+                        f"neither {index_name} nor {single_name} of hub repository {self.repo_id} is in the "
+                        f"hub cache, and the hub cannot be reached{self._offline_hint()}"
+                    ) from None
+                index = None
+            if index is not None:
+                shards = {file for name, file in read_weight_map(index).items() if name.startswith(prefixes)}
+                for shard in sorted(shards):
+                    self.file(shard)
+                return
+            if self.optional_file(single_name) is not None:
+                return
+        names = ", ".join(name for pair in WEIGHT_FILES for name in pair)
+        raise CheckpointError(f"hub repository {self.repo_id} has none of {names}")
 
     # ---- huggingface_hub -----------------------------------------------------------------------
 

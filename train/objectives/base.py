@@ -58,6 +58,8 @@ class Objective(nn.Module, ABC):
     """The keys of :attr:`ObjectiveOutput.sums`, the same on every rank and pack."""
     needs_full_pixels: ClassVar[bool] = False
     """Whether its batches must hold the dropped patches too (:attr:`Batch.full_pixels`)."""
+    draws_pictures: ClassVar[bool] = False
+    """Whether :meth:`visualize` draws (the engine makes a ``pictures/`` folder only then)."""
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from moonvit import MoonViT, MoonViTConfig, PackedGrid, build_packed_grid
+from moonvit.cli import fraction, positive_int
 from moonvit.files import save_safetensors_atomic
 from moonvit.model.attention import resolve_attn_implementation
 from moonvit.model.blocks import Block
@@ -79,6 +80,7 @@ class MAEObjective(Objective):
 
     name = "mae"
     needs_full_pixels = True
+    draws_pictures = True
 
     def __init__(
         self,
@@ -121,11 +123,13 @@ class MAEObjective(Objective):
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
-            "--mask-ratio", type=float, default=0.75, help="share of each image's patches masked (default: 0.75)"
+            "--mask-ratio", type=fraction, default=0.75, help="share of each image's patches masked (default: 0.75)"
         )
-        parser.add_argument("--decoder-width", type=int, default=128, help="MAE decoder width (default: 128)")
-        parser.add_argument("--decoder-depth", type=int, default=2, help="MAE decoder blocks (default: 2)")
-        parser.add_argument("--decoder-heads", type=int, default=4, help="MAE decoder attention heads (default: 4)")
+        parser.add_argument("--decoder-width", type=positive_int, default=128, help="MAE decoder width (default: 128)")
+        parser.add_argument("--decoder-depth", type=positive_int, default=2, help="MAE decoder blocks (default: 2)")
+        parser.add_argument(
+            "--decoder-heads", type=positive_int, default=4, help="MAE decoder attention heads (default: 4)"
+        )
         parser.add_argument(
             "--no-norm-pix", dest="norm_pix", action="store_false",
             help="reconstruct the pixels as they are, not each patch normalised by its mean and variance",
@@ -133,15 +137,10 @@ class MAEObjective(Objective):
 
     @classmethod
     def check_args(cls, args: argparse.Namespace, error: Callable[[str], NoReturn]) -> None:
-        if not 0.0 < args.mask_ratio < 1.0:
-            error(f"--mask-ratio must lie in (0, 1), got {args.mask_ratio}")
         if args.token_drop.active:
             error("--objective mae masks with --mask-ratio; --token-drop is for the supervised objective")
         if args.mixup or args.cutmix:
             error("--objective mae reconstructs each image's own pixels: --mixup / --cutmix do not apply")
-        for name in ("decoder_width", "decoder_depth", "decoder_heads"):
-            if getattr(args, name) < 1:
-                error(f"--{name.replace('_', '-')} must be positive")
         if args.decoder_width % args.decoder_heads or (args.decoder_width // args.decoder_heads) % 4:
             error("--decoder-width / --decoder-heads must be a multiple of 4 (2D RoPE)")
         # The plan's token drop is MAE's mask: drawn per image from its seed, counted by the budget.

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from eval.metrics import classification_metrics
 from moonvit import MoonViT, pool_features
+from moonvit.cli import drop_rate
 from moonvit.files import save_safetensors_atomic, write_text_atomic
 
 from ..batch import Batch
@@ -48,7 +49,7 @@ class SupervisedObjective(Objective):
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
-            "--smoothing", type=float, default=0.1, help="label smoothing of the cross-entropy (default: 0.1)"
+            "--smoothing", type=drop_rate, default=0.1, help="label smoothing of the cross-entropy (default: 0.1)"
         )
 
     @classmethod

@@ -1,0 +1,224 @@
+"""How a checkpoint folder stores its config and tensors, and reading them with errors that name the file.
+
+Tensors come in safetensors files (``model.safetensors``, or shards listed in
+``model.safetensors.index.json``) or, in older fine-tunes, torch pickles (``pytorch_model.bin``, or
+shards listed in ``pytorch_model.bin.index.json``); safetensors is preferred where a folder has both.
+Either way a :class:`TensorFile` reads names and shapes without touching tensor data, and a tensor's
+bytes only when it is asked for:
+
+- safetensors maps the file and reads one tensor at a time;
+- a torch pickle in the zip format torch has written since 1.6 is memory-mapped
+  (``torch.load(mmap=True)``) with ``weights_only=True`` (no code in the file is run), so the pages
+  of tensors that are never read are never loaded either;
+- a pickle in torch's legacy (pre-1.6) format cannot be mapped: it is read whole, with a warning
+  naming the file and its size.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import warnings
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+__all__ = [
+    "BIN_FILE",
+    "BIN_INDEX_FILE",
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "CheckpointError",
+    "TensorFile",
+    "open_tensor_file",
+    "read_json",
+    "read_weight_map",
+    "tensor_files",
+    "tensor_names",
+    "weight_files",
+]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+BIN_FILE = "pytorch_model.bin"
+BIN_INDEX_FILE = "pytorch_model.bin.index.json"
+WEIGHT_FILES = ((INDEX_FILE, SINGLE_FILE), (BIN_INDEX_FILE, BIN_FILE))
+"""(index, single file) of each storage, in order of preference."""
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded as it stands."""
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``; anything else is a :class:`CheckpointError` naming the file."""
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from err
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"{path} is not a text file: {err}") from err
+    except OSError as err:
+        raise CheckpointError(f"cannot read {path}: {err}") from err
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(values).__name__}, not an object")
+    return values
+
+
+# ---- one file of tensors ------------------------------------------------------------------------
+
+
+class TensorFile(Protocol):
+    """The tensors of one file: names and shapes without reading data, a tensor's data on demand."""
+
+    def keys(self) -> list[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def dtype(self, name: str) -> torch.dtype: ...
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` (it may view the file's mapping: copy it to keep it)."""
+        ...
+
+
+class _Safetensors:
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def keys(self) -> list[str]:
+        return list(self.handle.keys())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.handle.get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.handle.get_slice(name)[:1].dtype  # one row: the dtype, without the tensor
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.handle.get_tensor(name)
+
+
+class _TorchPickle:
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = state
+
+    def keys(self) -> list[str]:
+        return list(self.state)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.state[name].shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.state[name].dtype
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.state[name]
+
+
+@contextmanager
+def open_tensor_file(path: Path) -> Iterator[TensorFile]:
+    """The tensors of a safetensors file or a torch pickle (by its ending: ``.bin``, ``.pt``, ``.pth``).
+
+    Raises:
+        CheckpointError: a truncated or corrupt file, a pickle holding more than a flat dict of
+            tensors (it is not unpickled), or an unreadable file; the message names it.
+    """
+    if path.suffix in _PICKLE_SUFFIXES:
+        yield _TorchPickle(_load_pickle(path))
+        return
+    try:
+        with safe_open(path, framework="pt") as handle:
+            yield _Safetensors(handle)
+    except SafetensorError as err:
+        raise CheckpointError(f"cannot read {path}: {err} (a truncated or corrupt safetensors file)") from err
+    except OSError as err:
+        raise CheckpointError(f"cannot read {path}: {err}") from err
+
+
+def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
+    """A torch pickle's flat dict of tensors, memory-mapped where its format allows."""
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except RuntimeError as err:
+            if "mmap" not in str(err):  # a truncated zip, say: the legacy path would fail too
+                raise
+            size = path.stat().st_size
+            warnings.warn(
+                f"{path} is in torch's legacy (pre-1.6) pickle format, which cannot be memory-mapped: it is read "
+                f"whole ({size / 2**20:.0f} MiB) to take its vision tensors; re-save it as safetensors to load "
+                "only those",
+                stacklevel=4,
+            )
+            state = torch.load(path, map_location="cpu", mmap=False, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"{path} holds objects other than tensors, which are not unpickled (weights_only): "
+            f"{str(err).splitlines()[0]}; save its state_dict alone, or as safetensors"
+        ) from err
+    except (RuntimeError, EOFError, ValueError) as err:
+        raise CheckpointError(f"cannot read {path}: {err} (a truncated or corrupt torch file)") from err
+    except OSError as err:
+        raise CheckpointError(f"cannot read {path}: {err}") from err
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        kind = type(state).__name__ if not isinstance(state, dict) else "a dict holding more than tensors"
+        raise CheckpointError(f"{path} holds {kind}, not a flat dict of tensors (a state_dict)")
+    return state
+
+
+# ---- a folder's files ------------------------------------------------------------------------------
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> shard file name) of an index file."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
+        raise CheckpointError(f"{index} has no weight_map of tensor names to file names")
+    return weight_map
+
+
+def weight_files(folder: Path) -> tuple[Path | None, Path | None]:
+    """(index, single file) of the folder's preferred storage that is present; (None, None) without any."""
+    for index, single in WEIGHT_FILES:
+        if (folder / index).is_file():
+            return folder / index, None
+        if (folder / single).is_file():
+            return None, folder / single
+    return None, None
+
+
+def tensor_names(folder: Path) -> list[str]:
+    """Every tensor name of a folder, from its index (no shard opened) or its single file's header;
+    none when it has neither (yet)."""
+    index, single = weight_files(folder)
+    if index is not None:
+        return list(read_weight_map(index))
+    if single is not None:
+        with open_tensor_file(single) as f:
+            return f.keys()
+    return []
+
+
+def tensor_files(folder: Path, prefix: str | tuple[str, ...]) -> dict[Path, list[str]]:
+    """Map each tensor file that holds tensors under ``prefix`` (or any of several) to those names."""
+    index, single = weight_files(folder)
+    if index is not None:
+        files: dict[Path, list[str]] = defaultdict(list)
+        for name, file_name in read_weight_map(index).items():
+            if name.startswith(prefix):
+                files[folder / file_name].append(name)
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(f"{index} names {file.name}, which is not in {folder}")
+        return dict(files)
+    if single is None:
+        raise CheckpointError(f"{folder} has none of {SINGLE_FILE}, {INDEX_FILE}, {BIN_FILE}, {BIN_INDEX_FILE}")
+    with open_tensor_file(single) as f:
+        return {single: [name for name in f.keys() if name.startswith(prefix)]}  # noqa: SIM118 (a TensorFile, not a dict)
