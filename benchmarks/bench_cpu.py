@@ -1,4 +1,5 @@
-"""Side-by-side speed of this encoder and transformers' Kimi_K25VisionModel.
+"""Side-by-side speed of this encoder and transformers' Kimi_K25VisionModel, and of Kimi K3's tower
+and a straightforward implementation of it (k3_baseline.py).
 
 One process, the contenders interleaved on the same weights and packs:
 
@@ -23,6 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from common import PACKS, as_thw, host_line, matmul_peak, mib, model_flops, peak_extra_bytes, seconds
+from k3_baseline import K3Baseline
 
 from moonvit import MoonViT, preset_config
 from moonvit.cli import DTYPES, add_threads_argument, apply_threads, dtype_name, output_file, positive_int
@@ -142,12 +144,69 @@ def profile_shares(fn: Callable, pixels: torch.Tensor, grids: torch.Tensor) -> d
     return {kind: value / total for kind, value in shares.items()}
 
 
-def sdpa_gflops(seqlen: int, batch: int, dtype: torch.dtype, repeats: int = 2) -> float:
-    """FLOP/s of torch's SDPA on (batch, 16, seqlen, 72) in ``dtype``, the encoder's attention shape."""
-    q, k, v = (torch.randn(batch, 16, seqlen, 72).to(dtype) for _ in range(3))
+def sdpa_gflops(
+    seqlen: int, batch: int, dtype: torch.dtype, repeats: int = 2, heads: int = 16, head_dim: int = 72
+) -> float:
+    """FLOP/s of torch's SDPA on (batch, heads, seqlen, head_dim) in ``dtype``: K2.5's attention
+    shape by default (16 x 72), K3's with 12 x 128."""
+    q, k, v = (torch.randn(batch, heads, seqlen, head_dim).to(dtype) for _ in range(3))
     F.scaled_dot_product_attention(q, k, v)
     best = min(seconds(lambda: F.scaled_dot_product_attention(q, k, v)) for _ in range(repeats))
-    return 4 * batch * 16 * seqlen**2 * 72 / best
+    return 4 * batch * heads * seqlen**2 * head_dim / best
+
+
+def build_k3(depth: int, dtype: torch.dtype) -> dict[str, Callable]:
+    """Kimi K3's tower (moonvit-v2 at ``depth`` blocks, random weights) and the straightforward peer
+    (:class:`k3_baseline.K3Baseline`) on the same weights."""
+    torch.manual_seed(0)
+    model = MoonViT(preset_config("moonvit-v2", num_hidden_layers=depth, attn_implementation="sdpa")).to(dtype).eval()
+    peer = K3Baseline(model).eval()
+    model.set_position_cache()
+    return {"ours": lambda pixels, grids: model(pixels, grids).merged, "peer": peer}
+
+
+def k3_rows(args: argparse.Namespace, peak: float) -> list[str]:
+    """bf16 rows of Kimi K3's tower against the plain per-segment peer, as the K2.5 table."""
+    cfg = preset_config("moonvit-v2")
+    shapes = sorted({(int(n), 1) for name in args.packs for n in as_thw(PACKS[name]).prod(dim=1).tolist()})
+    attention = [f"L={n}: {sdpa_gflops(n, b, torch.bfloat16, heads=12, head_dim=128) / 1e9:.0f}" for n, b in shapes]
+    lines = [
+        "",
+        f"Kimi K3 (MoonViT-V2: 27 x 1024, attention 1536, 12 heads of 128, RMSNorm, no biases), bf16, depth "
+        f"{args.depth}, against a straightforward implementation (benchmarks/k3_baseline.py: packed linears, "
+        "one SDPA call per item):",
+        "",
+        "SDPA GFLOP/s (bf16, 12 heads, head_dim 128): " + ", ".join(attention),
+        "",
+        "| pack | ours patches/s | peer patches/s | ratio | ours patches/s @27 | ours MFU | peer MFU "
+        "| ours fixed ms | peer fixed ms | max rel diff |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines))
+    full, empty = build_k3(args.depth, torch.bfloat16), build_k3(0, torch.bfloat16)
+    for pack_name in args.packs:
+        grid_list = PACKS[pack_name]
+        grids = as_thw(grid_list)
+        patches = int(grids.prod(dim=1).sum())
+        pixels = torch.randn(patches, 3, 14, 14).to(torch.bfloat16)
+        timed = time_interleaved(full, pixels, grids, args.repeats)
+        fixed = time_interleaved(empty, pixels, grids, args.repeats)
+        with torch.inference_mode():
+            a, b = (fn(pixels, grids).double() for fn in full.values())
+        diff = float((a - b).norm() / b.norm())
+        rates = {}
+        for name in ("ours", "peer"):
+            per_block = max(timed[name] - fixed[name], 1e-9) / max(args.depth, 1)
+            full_time = fixed[name] + cfg.num_hidden_layers * per_block
+            rates[name] = (patches / timed[name], model_flops(grid_list, cfg) / full_time / peak, full_time)
+        ours, peer = rates["ours"], rates["peer"]
+        line = (
+            f"| {pack_name} | {ours[0]:.0f} | {peer[0]:.0f} | {ours[0] / peer[0]:.2f}x | {patches / ours[2]:.0f} | "
+            f"{ours[1]:.0%} | {peer[1]:.0%} | {fixed['ours'] * 1e3:.1f} | {fixed['peer'] * 1e3:.1f} | {diff:.1e} |"
+        )
+        print(line, flush=True)
+        lines.append(line)
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,6 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--out", type=output_file, help="also write the tables (markdown) here")
     parser.add_argument("--no-extras", action="store_true", help="skip the memory-scaling and profile tables")
+    parser.add_argument(
+        "--towers",
+        nargs="+",
+        choices=("k25", "k3"),
+        default=["k25", "k3"],
+        help="k25: the K2.5 tower against transformers (--dtypes); k3: Kimi K3's tower against a plain "
+        "implementation (bf16) (default: both)",
+    )
     return parser
 
 
@@ -186,16 +253,21 @@ def main(argv: list[str] | None = None) -> None:
     # torch's CPU attention kernel on this host, at the packs' sequence lengths (batched as the encoder does)
     shapes = sorted({(int(n), sum(1 for m in as_thw(PACKS[name]).prod(dim=1).tolist() if m == n))
                      for name in args.packs for n in as_thw(PACKS[name]).prod(dim=1).tolist()})  # fmt: skip
-    attention = [f"L={n} x{b}: {sdpa_gflops(n, b, DTYPES[d]) / 1e9:.0f}" for n, b in shapes for d in args.dtypes[:1]]
-    lines += [f"SDPA GFLOP/s ({args.dtypes[0]}, 16 heads, head_dim 72): " + ", ".join(attention), ""]
-    lines += [
-        "| pack | dtype | ours patches/s | peer patches/s | ratio | ours patches/s @27 | peer patches/s @27 "
-        "| ours items/s @27 | ours MFU | peer MFU | ours fixed ms | ours fixed ms, no position cache "
-        "| ours fixed ms, new grid | peer fixed ms | fixed ratio | ours peak MiB | peer peak MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    if "k25" in args.towers:
+        attention = [
+            f"L={n} x{b}: {sdpa_gflops(n, b, DTYPES[d]) / 1e9:.0f}" for n, b in shapes for d in args.dtypes[:1]
+        ]
+        lines += [f"SDPA GFLOP/s ({args.dtypes[0]}, 16 heads, head_dim 72): " + ", ".join(attention), ""]
+        lines += [
+            "Kimi-K2.5 tower (27 x 1152) against transformers' Kimi_K25VisionModel:",
+            "",
+            "| pack | dtype | ours patches/s | peer patches/s | ratio | ours patches/s @27 | peer patches/s @27 "
+            "| ours items/s @27 | ours MFU | peer MFU | ours fixed ms | ours fixed ms, no position cache "
+            "| ours fixed ms, new grid | peer fixed ms | fixed ratio | ours peak MiB | peer peak MiB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
     print("\n".join(lines))
-    for dtype_key in args.dtypes:
+    for dtype_key in args.dtypes if "k25" in args.towers else ():
         dtype = DTYPES[dtype_key]
         contenders = build(args.depth, dtype)
         full = {name: contenders[name] for name in ("ours", "peer")}
@@ -213,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
             for name in ("ours", "peer"):
                 per_block = max(timed[name] - fixed[name], 1e-9) / max(args.depth, 1)
                 full_time = fixed[name] + cfg.num_hidden_layers * per_block
-                flops = model_flops(grid_list, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers)
+                flops = model_flops(grid_list, cfg)
                 row[name] = (patches / timed[name], flops / full_time / peaks[dtype_key], fixed[name] * 1e3, full_time)
             ours, peer = row["ours"], row["peer"]
             line = (
@@ -225,7 +297,9 @@ def main(argv: list[str] | None = None) -> None:
             )
             print(line, flush=True)
             lines.append(line)
-    if not args.no_extras:
+    if "k3" in args.towers:
+        lines += k3_rows(args, peaks.get("bf16") or matmul_peak(torch.bfloat16))
+    if not args.no_extras and "k25" in args.towers:
         contenders = build(args.depth, torch.bfloat16)
         ours, peer = contenders["ours"], contenders["peer"]
         lines += ["", f"Peak memory a bf16 forward adds (depth {args.depth}):", ""]

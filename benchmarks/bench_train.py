@@ -32,7 +32,7 @@ from eval.datasets import load_dataset
 from moonvit import MoonViT, MoonViTImageProcessor, pool_features, preset_config
 from moonvit.cli import add_threads_argument, apply_threads
 from moonvit.model.rope import apply_rope
-from moonvit.perf import encoder_flops
+from moonvit.perf import config_flops
 from train.augment import AugmentConfig
 from train.batch import ImageSource, render_pack
 from train.objectives import MAEObjective, SupervisedObjective
@@ -63,7 +63,7 @@ def step_timer(model: MoonViT, source: ImageSource, side: tuple[int, int], drop:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        flops = encoder_flops([i.kept for i in pack], c.hidden_size, c.intermediate_size, c.num_hidden_layers)
+        flops = config_flops([i.kept for i in pack], c)
         return time.perf_counter() - start, len(pack), flops
 
     return run

@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from moonvit.perf import encoder_flops, matmul_peak, seconds
+from moonvit import MoonViTConfig
+from moonvit.perf import config_flops, matmul_peak, seconds
 
 __all__ = [
     "PACKS",
@@ -44,9 +45,10 @@ def as_thw(grids: Sequence[Sequence[int]]) -> torch.Tensor:
     return torch.tensor([(1, *g) if len(g) == 2 else tuple(g) for g in grids], dtype=torch.int64)
 
 
-def model_flops(grids: Sequence[Sequence[int]], hidden: int, mlp: int, depth: int, patch: int = 14) -> float:
-    """Matmul FLOPs of one forward over (h, w) or (t, h, w) grids (see :func:`moonvit.perf.encoder_flops`)."""
-    return encoder_flops([int(torch.tensor(g).prod()) for g in grids], hidden, mlp, depth, patch)
+def model_flops(grids: Sequence[Sequence[int]], config: MoonViTConfig, depth: int | None = None) -> float:
+    """Matmul FLOPs of one forward of a ``config`` tower over (h, w) or (t, h, w) grids
+    (see :func:`moonvit.perf.config_flops`), at ``depth`` blocks (default: the config's)."""
+    return config_flops([int(torch.tensor(g).prod()) for g in grids], config, depth)
 
 
 def peak_extra_bytes(fn: Callable[[], object]) -> int | None:

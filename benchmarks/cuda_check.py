@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             loss.backward()
             grad_ok = bool(torch.isfinite(x.grad).all())
             model.zero_grad(set_to_none=True)
-            flops = model_flops(grid_list, config.hidden_size, config.intermediate_size, config.num_hidden_layers)
+            flops = model_flops(grid_list, config)
             row = {
                 "pack": name,
                 "backend": backend,

@@ -165,11 +165,13 @@ def run(args: argparse.Namespace) -> None:
             args.checkpoint, dtype=dtype, device=args.device, attn_implementation=args.attn
         )
         processor = MoonViTImageProcessor.from_pretrained(args.checkpoint, **overrides)
+        video_processor = MoonViTVideoProcessor.from_pretrained(args.checkpoint)  # its rate and budgets (K3: 8 fps)
         source = str(args.checkpoint)
     else:
         torch.manual_seed(args.seed)
         encoder = MoonViT.from_preset(args.preset, attn_implementation=args.attn).to(args.device, dtype).eval()
         processor = MoonViTImageProcessor(**overrides)
+        video_processor = MoonViTVideoProcessor.for_images(processor)
         source = f"preset {args.preset} (random weights, seed {args.seed})"
     keys = path_keys([*image_files, *video_files])
     images: dict[str, ImageInput] = dict(zip(keys, image_files))
@@ -179,15 +181,19 @@ def run(args: argparse.Namespace) -> None:
         if encoder.config.max_frames > 1:
             videos["sample-clip"] = sample_clip()
     if videos:  # before anything is decoded
-        MoonViTVideoProcessor.for_images(processor).check_tower(
-            encoder.config.max_frames, f"--videos {next(iter(videos))}"
-        )
+        video_processor.check_tower(encoder.config.max_frames, f"--videos {next(iter(videos))}")
     inputs: dict[str, ImageInput | VideoSource] = {**images, **videos}
     keys = list(inputs)
 
     start = time.perf_counter()
     results = list(
-        iter_encode_images(encoder, processor, list(inputs.values()), max_patches_per_pack=args.max_patches_per_pack)
+        iter_encode_images(
+            encoder,
+            processor,
+            list(inputs.values()),
+            max_patches_per_pack=args.max_patches_per_pack,
+            video_processor=video_processor,
+        )
     )
     seconds = time.perf_counter() - start
 

@@ -6,6 +6,9 @@ Two architectures, chosen by :attr:`ProjectorConfig.projector_type`:
   of each patch (before the patches of a group are joined), then the kh * kw
   patches of a group concatenated to kh * kw * D, Linear(4D -> 4D), exact (erf)
   GELU, Linear(4D -> text_hidden_size).
+- ``"patchmergerv2"``: Kimi K3's. No pre-norm: the kh * kw patches of a group
+  concatenated to 4D, Linear(4D -> 4D), exact GELU, Linear(4D -> text_hidden_size),
+  both without biases, then RMSNorm(text_hidden_size, eps) after them.
 - ``"mlp2x_gelu"``: LLaVA-1.5's projector, for training from scratch. No norm;
   Linear(4D -> text_hidden_size), exact GELU, Linear(text_hidden_size ->
   text_hidden_size) on each flattened merged token.
@@ -21,6 +24,8 @@ projector fetched, see :mod:`moonvit.weights.hub`) in one of three layouts:
   ``multi_modal_projector.{pre_norm,linear_1,linear_2}.*``.
 - Kimi-K2.5's: the same config sections, tensors
   ``mm_projector.{pre_norm,proj.0,proj.2}.*``.
+- Kimi K3's: ``mm_projector_type "patchmergerv2"`` in ``vision_config``, tensors
+  ``mm_projector.{proj.0,proj.2,post_norm}.weight``.
 
 Kimi checkpoints are usually sharded beside a large language model
 (``model.safetensors.index.json``); only the shards that hold projector tensors
@@ -41,11 +46,13 @@ import torch.nn.functional as F
 from moonvit.devices import check_device
 from moonvit.files import save_safetensors_atomic, write_text_atomic
 from moonvit.model.config import DictConfig, MoonViTConfig, merge_kernel
-from moonvit.weights.checkpoint import assign_from_files, checkpoint_folder, config_from_file
+from moonvit.weights.checkpoint import assign_from_files, checkpoint_folder, config_from_file, summarise_names
 from moonvit.weights.hub import HubSnapshot
 from moonvit.weights.storage import CheckpointError, open_tensor_file, read_json, tensor_files, tensor_names
 
-PROJECTOR_TYPES = ("kimi", "mlp2x_gelu")
+PROJECTOR_TYPES = ("kimi", "patchmergerv2", "mlp2x_gelu")
+KIMI_PROJECTOR_TYPES = {"patchmerger": "kimi", "patchmergerv2": "patchmergerv2"}
+"""A Kimi config's ``mm_projector_type`` -> this package's ``projector_type``."""
 CONFIG_FILE = "projector_config.json"
 WEIGHTS_FILE = "projector.safetensors"
 # Where Kimi configs keep D, in order of preference: the projector's own input width
@@ -63,11 +70,11 @@ class ProjectorConfig(DictConfig):
     The defaults are Kimi-VL-A3B's projector (MoonViT-SO-400M into a 2048-wide LLM).
 
     Attributes:
-        projector_type: ``"kimi"`` or ``"mlp2x_gelu"`` (see the module docstring).
+        projector_type: ``"kimi"``, ``"patchmergerv2"`` or ``"mlp2x_gelu"`` (see the module docstring).
         vision_hidden_size: D, the encoder's per-patch width.
         text_hidden_size: the language model's embedding width (the output width).
         merge_kernel_size: (kh, kw), patches per merged token along rows and columns.
-        layer_norm_eps: epsilon of the ``"kimi"`` pre-norm.
+        layer_norm_eps: epsilon of the ``"kimi"`` pre-norm, or of the ``"patchmergerv2"`` post-norm.
     """
 
     projector_type: str = "kimi"
@@ -97,8 +104,13 @@ class ProjectorConfig(DictConfig):
 
     @property
     def intermediate_size(self) -> int:
-        """Width between the two linears: 4D for ``"kimi"``, text_hidden_size for ``"mlp2x_gelu"``."""
-        return self.merged_hidden_size if self.projector_type == "kimi" else self.text_hidden_size
+        """Width between the two linears: 4D for the Kimi projectors, text_hidden_size for ``"mlp2x_gelu"``."""
+        return self.text_hidden_size if self.projector_type == "mlp2x_gelu" else self.merged_hidden_size
+
+    @property
+    def bias(self) -> bool:
+        """Whether the linears have biases (Kimi K3's have none)."""
+        return self.projector_type != "patchmergerv2"
 
     @classmethod
     def for_encoder(cls, encoder_config: MoonViTConfig, text_hidden_size: int, **overrides: Any) -> ProjectorConfig:
@@ -124,13 +136,11 @@ class MoonViTProjector(nn.Module):
     def __init__(self, config: ProjectorConfig) -> None:
         super().__init__()
         self.config = config
-        self.pre_norm = (
-            nn.LayerNorm(config.vision_hidden_size, eps=config.layer_norm_eps)
-            if config.projector_type == "kimi"
-            else None
-        )
-        self.linear_1 = nn.Linear(config.merged_hidden_size, config.intermediate_size)
-        self.linear_2 = nn.Linear(config.intermediate_size, config.text_hidden_size)
+        kimi, v2 = config.projector_type == "kimi", config.projector_type == "patchmergerv2"
+        self.pre_norm = nn.LayerNorm(config.vision_hidden_size, eps=config.layer_norm_eps) if kimi else None
+        self.linear_1 = nn.Linear(config.merged_hidden_size, config.intermediate_size, bias=config.bias)
+        self.linear_2 = nn.Linear(config.intermediate_size, config.text_hidden_size, bias=config.bias)
+        self.post_norm = nn.RMSNorm(config.text_hidden_size, eps=config.layer_norm_eps) if v2 else None
 
     @classmethod
     def from_pretrained(
@@ -158,7 +168,7 @@ class MoonViTProjector(nn.Module):
             config, layout, files = _read_own_format(folder)
         elif (folder / "config.json").is_file():
             config = _config_from_kimi(read_json(folder / "config.json"), folder)
-            layout, files = _find_kimi_projector(folder)
+            layout, files = _find_kimi_projector(folder, config.projector_type)
         else:
             raise CheckpointError(f"{folder} has neither {CONFIG_FILE} nor config.json")
         with torch.device("meta"):
@@ -198,8 +208,8 @@ class MoonViTProjector(nn.Module):
         x = merged.to(self.dtype)
         if self.pre_norm is not None:
             x = self.pre_norm(x)
-        x = F.gelu(self.linear_1(x.flatten(-2)))
-        return self.linear_2(x)
+        x = self.linear_2(F.gelu(self.linear_1(x.flatten(-2))))
+        return x if self.post_norm is None else self.post_norm(x)
 
     def _check_input(self, merged: torch.Tensor) -> None:
         expected = (self.config.patches_per_token, self.config.vision_hidden_size)
@@ -242,7 +252,9 @@ class Layout:
         return tuple(sorted({m[: m.index("projector.") + len("projector.")] for m in self.modules.values()}))
 
 
-OWN_LAYOUT = Layout("moonvit", {"pre_norm": "pre_norm", "linear_1": "linear_1", "linear_2": "linear_2"})
+OWN_LAYOUT = Layout(
+    "moonvit", {"pre_norm": "pre_norm", "linear_1": "linear_1", "linear_2": "linear_2", "post_norm": "post_norm"}
+)
 KIMI_VL_LAYOUT = Layout(
     "Kimi-VL",
     {"pre_norm": "multi_modal_projector.pre_norm", "linear_1": "multi_modal_projector.linear_1",
@@ -262,7 +274,17 @@ KIMI_K25_HYBRID_LAYOUT = Layout(
     "Kimi-K2.5 transformers-saved",
     {"pre_norm": "model.mm_projector.pre_norm", "linear_1": "mm_projector.proj.0", "linear_2": "mm_projector.proj.2"},
 )
-KIMI_LAYOUTS = (KIMI_VL_LAYOUT, KIMI_K25_LAYOUT, KIMI_K25_NATIVE_LAYOUT, KIMI_K25_HYBRID_LAYOUT)
+KIMI_K3_LAYOUT = Layout(
+    "Kimi K3 release",
+    {"linear_1": "mm_projector.proj.0", "linear_2": "mm_projector.proj.2", "post_norm": "mm_projector.post_norm"},
+)
+KIMI_LAYOUTS = (KIMI_VL_LAYOUT, KIMI_K25_LAYOUT, KIMI_K25_NATIVE_LAYOUT, KIMI_K25_HYBRID_LAYOUT, KIMI_K3_LAYOUT)
+LAYOUTS_OF_TYPE = {"kimi": KIMI_LAYOUTS[:4], "patchmergerv2": (KIMI_K3_LAYOUT,)}
+"""The layouts a Kimi config's projector type may be stored in."""
+EXPECTED_TENSORS = {
+    "kimi": "multi_modal_projector.* for Kimi-VL, mm_projector.* or model.mm_projector.* for Kimi-K2.5",
+    "patchmergerv2": "mm_projector.proj.0, mm_projector.proj.2 and mm_projector.post_norm for Kimi K3",
+}
 
 
 def _read_own_format(folder: Path) -> tuple[ProjectorConfig, Layout, dict[Path, list[str]]]:
@@ -287,27 +309,28 @@ def _fetch_projector_files(snapshot: HubSnapshot) -> None:
 
 
 def _config_from_kimi(values: dict[str, Any], folder: Path) -> ProjectorConfig:
-    """The ``"kimi"`` projector config of a Kimi-VL or Kimi-K2.5 ``config.json``.
+    """The projector config of a Kimi-VL, Kimi-K2.5 or Kimi K3 ``config.json``: ``"kimi"`` for
+    ``mm_projector_type "patchmerger"`` (or none), ``"patchmergerv2"`` for K3's.
 
     D is read from ``vision_config`` (``mm_hidden_size``, ``hidden_size`` or K2.5's
     release ``vt_hidden_size``) or transformers' top-level ``projection_hidden_size``;
     the output width from ``text_config.hidden_size`` (or K2.5's
-    ``vision_config.text_hidden_size``); the LayerNorm eps from
+    ``vision_config.text_hidden_size``); the norm's eps (K2.5's pre-norm, K3's post-norm) from
     ``projector_ln_eps`` / ``projection_layer_norm_eps``.
     """
     vision, text = values.get("vision_config"), values.get("text_config") or {}
     if not isinstance(vision, dict) or not isinstance(text, dict):
         raise CheckpointError(
-            f"{folder}/config.json has no vision_config and text_config (not a Kimi-VL or Kimi-K2.5 "
+            f"{folder}/config.json has no vision_config and text_config (not a Kimi-VL, K2.5 or K3 "
             f"checkpoint), and {folder} has no {CONFIG_FILE}"
         )
     kind = vision.get("mm_projector_type", "patchmerger")
     activation = vision.get("projector_hidden_act", "gelu")
-    if kind != "patchmerger" or activation != "gelu":
+    if kind not in KIMI_PROJECTOR_TYPES or activation != "gelu":
         raise CheckpointError(
             f"{folder}/config.json describes an unsupported projector "
             f"(mm_projector_type {kind!r}, projector_hidden_act {activation!r}); "
-            "only 'patchmerger' with exact 'gelu' is implemented"
+            f"only {' and '.join(map(repr, KIMI_PROJECTOR_TYPES))} with exact 'gelu' are implemented"
         )
     vision_hidden = next((vision[k] for k in VISION_HIDDEN_KEYS if vision.get(k)), None)
     vision_hidden = values.get("projection_hidden_size") or vision_hidden
@@ -319,7 +342,7 @@ def _config_from_kimi(values: dict[str, Any], folder: Path) -> ProjectorConfig:
         )
     try:
         return ProjectorConfig(
-            projector_type="kimi",
+            projector_type=KIMI_PROJECTOR_TYPES[kind],
             vision_hidden_size=vision_hidden,
             text_hidden_size=text_hidden,
             merge_kernel_size=vision.get("merge_kernel_size", (2, 2)),
@@ -329,14 +352,17 @@ def _config_from_kimi(values: dict[str, Any], folder: Path) -> ProjectorConfig:
         raise CheckpointError(f"{folder}/config.json: {error}") from error
 
 
-def _find_kimi_projector(folder: Path) -> tuple[Layout, dict[Path, list[str]]]:
-    """The layout whose tensors the folder holds, and the files that hold them (only those)."""
+def _find_kimi_projector(folder: Path, projector_type: str) -> tuple[Layout, dict[Path, list[str]]]:
+    """The layout (of those ``projector_type`` is stored in) whose tensors the folder holds, and the
+    files that hold them (only those)."""
     present = set(tensor_names(folder))
-    for layout in KIMI_LAYOUTS:
+    layouts = LAYOUTS_OF_TYPE[projector_type]
+    for layout in layouts:
         wanted = {layout.checkpoint_name(f"{module}.weight") for module in layout.modules}
         if wanted <= present:
             return layout, tensor_files(folder, layout.roots)
+    found = sorted(name for name in present if "projector." in name)
     raise CheckpointError(
-        f"{folder} holds no projector tensors "
-        f"(multi_modal_projector.* for Kimi-VL, mm_projector.* or model.mm_projector.* for Kimi-K2.5)"
+        f"{folder} holds no projector tensors ({EXPECTED_TENSORS[projector_type]})"
+        + (f"; its projector tensors are {summarise_names(found)}" if found else "")
     )

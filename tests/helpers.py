@@ -325,3 +325,78 @@ def write_video(
         for packet in stream.encode():
             container.mux(packet)
     return path
+
+
+# ---- Kimi K3 (MoonViT-V2) folders -------------------------------------------------------------------
+
+
+def tiny_k3_model(seed: int = 0, dtype: torch.dtype = torch.float64) -> MoonViT:
+    """The ``tiny-v2`` preset (K3's switches at 2 x 64, attention 96), with non-trivial weights."""
+    return randomize_(MoonViT(preset_config("tiny-v2")), seed).to(dtype).eval()
+
+
+def tiny_k3_projector(model: MoonViT, text_hidden_size: int = 48, seed: int = 1) -> MoonViTProjector:
+    config = ProjectorConfig.for_encoder(model.config, text_hidden_size, projector_type="patchmergerv2")
+    projector = MoonViTProjector(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in projector.named_parameters():
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
+            param.copy_(1.0 + 0.3 * noise if "norm" in name else noise / param.shape[-1] ** 0.5)
+    return projector.to(model.dtype).eval()
+
+
+K3_MEDIA_PROC_CFG = {
+    "in_patch_limit": 65536, "patch_limit_on_one_side": 512, "in_patch_limit_each_frame": 16384,
+    "in_patch_limit_video": 655360, "sample_fps": 8.0, "temporal_merge_kernel_size": 4,
+    "timestamp_mode": "hh:mm:ss.fff", "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "patch_size": 14, "merge_kernel_size": [2, 2],
+}  # fmt: skip
+
+
+def k3_release_config(model: MoonViT, text_hidden_size: int) -> dict:
+    """A Kimi K3 release's ``config.json``: ``vt_*`` sizes and K3's switches in ``vision_config``."""
+    c = model.config
+    return {
+        "model_type": "kimi_k3",
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "media_placeholder_token_id": 163605,
+        "text_config": {"model_type": "kimi_k3_text", "hidden_size": text_hidden_size},
+        "vision_config": {
+            "patch_size": c.patch_size, "init_pos_emb_height": c.init_pos_emb_height,
+            "init_pos_emb_width": c.init_pos_emb_width, "init_pos_emb_time": c.init_pos_emb_time,
+            "pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bilinear",
+            "vt_hidden_size": c.hidden_size, "vt_intermediate_size": c.intermediate_size,
+            "vt_num_attention_heads": c.num_attention_heads, "vt_num_hidden_layers": c.num_hidden_layers,
+            "qkv_hidden_size": c.qkv_hidden_size, "norm_type": "rmsnorm", "attn_bias": False,
+            "linear_bias": False, "patch_embed_proj_bias": False, "mlp_type": "mlp2",
+            "activation_func": "gelu_pytorch_tanh", "merge_kernel_size": list(c.merge_kernel_size),
+            "merge_type": "sd2_tpool", "video_attn_type": "spatial_temporal", "mm_projector_type": "patchmergerv2",
+            "mm_hidden_size": c.hidden_size, "text_hidden_size": text_hidden_size, "projector_hidden_act": "gelu",
+            "projector_ln_eps": 1e-5,
+        },
+    }  # fmt: skip
+
+
+def write_k3_release_folder(folder: Path, model: MoonViT, projector: MoonViTProjector) -> Path:
+    """A folder laid out like the Kimi K3 release: its ``config.json``, the tower and the projector
+    in shards of their own (``vision_tower.*``, ``mm_projector.{proj.0,proj.2,post_norm}``) beside a
+    language-model shard, the index, and ``preprocessor_config.json`` with K3's budgets."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(k3_release_config(model, projector.config.text_hidden_size)))
+    (folder / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": K3_MEDIA_PROC_CFG}))
+    p = projector.state_dict()
+    shards = {
+        "model-00001-of-00003.safetensors": {f"vision_tower.{k}": v for k, v in model.state_dict().items()},
+        "model-00002-of-00003.safetensors": {
+            "mm_projector.proj.0.weight": p["linear_1.weight"], "mm_projector.proj.2.weight": p["linear_2.weight"],
+            "mm_projector.post_norm.weight": p["post_norm.weight"],
+        },
+        "model-00003-of-00003.safetensors": {"language_model.model.embed_tokens.weight": torch.zeros(8, 4)},
+    }  # fmt: skip
+    weight_map = {}
+    for file, tensors in shards.items():
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, folder / file)
+        weight_map.update(dict.fromkeys(tensors, file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder

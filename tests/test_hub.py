@@ -16,9 +16,17 @@ import sys
 from pathlib import Path
 
 import huggingface_hub
+import huggingface_hub.constants  # a lazy submodule: imported before the fixtures patch it
 import pytest
 import torch
-from helpers import randomize_, tiny_model, write_kimi_vl_folder
+from helpers import (
+    randomize_,
+    tiny_k3_model,
+    tiny_k3_projector,
+    tiny_model,
+    write_k3_release_folder,
+    write_kimi_vl_folder,
+)
 from PIL import Image
 from safetensors.torch import save_file
 
@@ -235,6 +243,18 @@ def test_a_repository_of_torch_pickles_loads_from_its_tower_shards(tmp_path, off
     write_hub_cache(offline, "me/old", {name: folder / name for name in tower}, missing=absent)
     assert same_weights(MoonViT.from_pretrained("me/old"), encoder)
     assert sorted(requested) == sorted([*tower, *absent])
+
+
+def test_a_k3_release_loads_tower_and_projector_from_their_shards(tmp_path, offline, requested):
+    encoder = tiny_k3_model(dtype=torch.float32)
+    projector = tiny_k3_projector(encoder)
+    folder = write_k3_release_folder(tmp_path / "k3", encoder, projector)
+    files = {p.name: p for p in folder.iterdir() if p.name != "model-00003-of-00003.safetensors"}  # no LLM shard
+    write_hub_cache(offline, "moonshotai/Kimi-K3", files)
+    assert same_weights(MoonViT.from_pretrained("moonshotai/Kimi-K3"), encoder)
+    assert same_weights(MoonViTProjector.from_pretrained("moonshotai/Kimi-K3"), projector)
+    assert MoonViTImageProcessor.from_pretrained("moonshotai/Kimi-K3").in_token_limit == 65536
+    assert "model-00003-of-00003.safetensors" not in requested
 
 
 def test_a_local_folder_wins_over_a_hub_id(tmp_path, offline, monkeypatch, models):

@@ -15,22 +15,24 @@ needs_fusion = pytest.mark.skipif(
 )
 
 
-def layer(n_in=48, n_out=40, seed=0):
+def layer(n_in=48, n_out=40, seed=0, bias=True):
     torch.manual_seed(seed)
-    out = nn.Linear(n_in, n_out)
-    nn.init.normal_(out.bias)
+    out = nn.Linear(n_in, n_out, bias=bias)
+    if bias:
+        nn.init.normal_(out.bias)
     return out.bfloat16()
 
 
 @needs_fusion
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no bias (K3)"])
 @pytest.mark.parametrize("epilogue", ["none", "gelu", "residual"])
-def test_fused_epilogues_match_float32_math_to_bf16_rounding(epilogue):
-    fc = layer()
+def test_fused_epilogues_match_float32_math_to_bf16_rounding(epilogue, bias):
+    fc = layer(bias=bias)
     x = torch.randn(37, 48).bfloat16()
     residual = torch.randn(37, 40).bfloat16() if epilogue == "residual" else None
     with torch.no_grad():
         out = linear(fc, x, gelu_tanh=epilogue == "gelu", residual=residual)
-        exact = F.linear(x.float(), fc.weight.float(), fc.bias.float())
+        exact = F.linear(x.float(), fc.weight.float(), None if fc.bias is None else fc.bias.float())
         if epilogue == "gelu":
             exact = F.gelu(exact, approximate="tanh")
         if residual is not None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import make_checkpoint, tiny_model
 
-from moonvit import MoonViT
+from moonvit import PRESETS, MoonViT
 from moonvit.model.grid import build_packed_grid
 from moonvit.onnx import (
     INPUT_NAMES,
@@ -42,6 +42,7 @@ CLIP_PACKS = {
     "32 items": [(1 + i % 4, 2, 2 * (1 + i % 3)) for i in range(32)],
 }
 K25 = {"init_pos_emb_time": 4}
+K3 = PRESETS["tiny-v2"]  # tiny's sizes with Kimi K3's switches (RMSNorm, no biases, bilinear, attention 96)
 
 
 def pixels_for(grids, seed: int = 0) -> np.ndarray:
@@ -50,9 +51,11 @@ def pixels_for(grids, seed: int = 0) -> np.ndarray:
 
 
 def all_packs():
-    return [pytest.param({}, g, id=n) for n, g in IMAGE_PACKS.items()] + [
-        pytest.param(K25, g, id=f"k25 {n}") for n, g in CLIP_PACKS.items()
-    ]
+    return (
+        [pytest.param({}, g, id=n) for n, g in IMAGE_PACKS.items()]
+        + [pytest.param(K25, g, id=f"k25 {n}") for n, g in CLIP_PACKS.items()]
+        + [pytest.param(K3, g, id=f"k3 {n}") for n, g in CLIP_PACKS.items()]
+    )
 
 
 # ---- the inputs, against the model's own grid ---------------------------------------------------
@@ -238,6 +241,25 @@ def test_onnxruntime_matches_pytorch_on_unseen_clip_packs(k25_export, name):
     grids = CLIP_PACKS[name]
     errors = compare_with_model(session(path), encoder, pixels_for(grids, seed=6), grids, projector)
     assert max(errors.values()) < 1e-4, errors
+
+
+@pytest.fixture(scope="module")
+def k3_export(tmp_path_factory):
+    """A Kimi K3 tower (MoonViT-V2 switches) and its patchmergerv2 projector, exported through the API."""
+    encoder = tiny_model(seed=7, **K3)
+    projector = MoonViTProjector(ProjectorConfig.for_encoder(encoder.config, 48, projector_type="patchmergerv2"))
+    path = export_onnx(encoder, tmp_path_factory.mktemp("k3") / "encoder.onnx", projector.eval())
+    return path, encoder, projector
+
+
+@pytest.mark.parametrize("name", ["clips and images", "32 items"])
+def test_a_k3_graph_matches_pytorch_on_packs_it_never_saw(k3_export, name):
+    path, encoder, projector = k3_export
+    grids = CLIP_PACKS[name] + [(1, 2, 68), (1, 66, 4)]  # the export traced another pack; odd aspects resample
+    errors = compare_with_model(session(path), encoder, pixels_for(grids, seed=8), grids, projector)
+    assert set(errors) == {"last_hidden_state", "merged", "projected"}
+    assert max(errors.values()) < 1e-4, errors
+    assert onnx_config(session(path)) == encoder.config
 
 
 def test_graph_carries_its_config(k25_export):

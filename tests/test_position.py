@@ -2,38 +2,44 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moonvit.model.position import LearnablePositionTable, bicubic_resample_taps
+from moonvit.model.position import LearnablePositionTable, resample_taps
 
 GRIDS = [(1, 1), (1, 7), (2, 2), (3, 5), (17, 200), (63, 65), (64, 64), (96, 128), (512, 2)]
 
 
-def resample(table: torch.Tensor, h: int, w: int) -> torch.Tensor:
+MODES = ["bicubic", "bilinear"]  # Kimi-VL and K2.5; Kimi K3
+
+
+def resample(table: torch.Tensor, h: int, w: int, mode: str = "bicubic") -> torch.Tensor:
     module = LearnablePositionTable(*table.shape)
     module.weight.data = table
     rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
     positions = torch.stack([rows.flatten(), cols.flatten()], dim=-1)
-    taps, weights = bicubic_resample_taps(
-        positions, torch.full((h * w,), h), torch.full((h * w,), w), table.shape[0], table.shape[1]
+    taps, weights = resample_taps(
+        positions, torch.full((h * w,), h), torch.full((h * w,), w), table.shape[0], table.shape[1], mode
     )
+    assert taps.shape == (h * w, {"bicubic": 16, "bilinear": 4}[mode])
     return module(taps, weights).reshape(h, w, -1)
 
 
-def interpolate(table: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    resized = F.interpolate(table.permute(2, 0, 1)[None], size=(h, w), mode="bicubic", align_corners=False)
+def interpolate(table: torch.Tensor, h: int, w: int, mode: str = "bicubic") -> torch.Tensor:
+    resized = F.interpolate(table.permute(2, 0, 1)[None], size=(h, w), mode=mode, align_corners=False)
     return resized[0].permute(1, 2, 0)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("h,w", GRIDS)
-def test_matches_f_interpolate_float64(h, w):
+def test_matches_f_interpolate_float64(h, w, mode):
     table = torch.randn(64, 64, 8, dtype=torch.float64) * 5
-    torch.testing.assert_close(resample(table, h, w), interpolate(table, h, w), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(resample(table, h, w, mode), interpolate(table, h, w, mode), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("h,w", GRIDS)
-def test_float32_is_as_accurate_as_f_interpolate(h, w):
+def test_float32_is_as_accurate_as_f_interpolate(h, w, mode):
     table = torch.randn(64, 64, 8) * 5
-    exact = interpolate(table.double(), h, w)
-    ours, torchs = resample(table, h, w), interpolate(table, h, w)
+    exact = interpolate(table.double(), h, w, mode)
+    ours, torchs = resample(table, h, w, mode), interpolate(table, h, w, mode)
     # F.interpolate's own float32 index arithmetic drifts by ~1e-5 relative;
     # the taps here are computed in float64, so they are never further from exact.
     assert (ours.double() - exact).abs().max() <= (torchs.double() - exact).abs().max() + 1e-6
@@ -60,14 +66,14 @@ def test_same_size_is_identity_and_weights_sum_to_one():
     table = torch.randn(64, 64, 4)
     assert torch.equal(resample(table, 64, 64), table)
     positions = torch.tensor([[0, 0], [5, 9], [12, 3]])
-    _, weights = bicubic_resample_taps(positions, torch.tensor([13, 13, 13]), torch.tensor([10, 10, 10]), 64, 64)
+    _, weights = resample_taps(positions, torch.tensor([13, 13, 13]), torch.tensor([10, 10, 10]), 64, 64)
     torch.testing.assert_close(weights.sum(-1), torch.ones(3, dtype=torch.float64))
 
 
 def test_gradient_reaches_table():
     module = LearnablePositionTable(64, 64, 4)
     positions = torch.tensor([[0, 0], [1, 1]])
-    taps, weights = bicubic_resample_taps(positions, torch.tensor([2, 2]), torch.tensor([2, 2]), 64, 64)
+    taps, weights = resample_taps(positions, torch.tensor([2, 2]), torch.tensor([2, 2]), 64, 64)
     module(taps, weights).sum().backward()
     assert module.weight.grad is not None and module.weight.grad.abs().sum() > 0
 
@@ -79,7 +85,7 @@ def _pack_taps(sizes):
         rows.append(r.flatten()), cols.append(c.flatten())
         heights.append(torch.full((h * w,), h)), widths.append(torch.full((h * w,), w))
     positions = torch.stack([torch.cat(rows), torch.cat(cols)], dim=-1)
-    return bicubic_resample_taps(positions, torch.cat(heights), torch.cat(widths), 8, 8)
+    return resample_taps(positions, torch.cat(heights), torch.cat(widths), 8, 8)
 
 
 def _table(cache_patches: int = 1000) -> LearnablePositionTable:

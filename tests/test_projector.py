@@ -321,7 +321,7 @@ def test_kimi_folder_without_projector_or_with_an_unsupported_one(tmp_path):
         MoonViTProjector.from_pretrained(tmp_path / "vl")
     folder = write_kimi_k25_folder(tmp_path, tiny_projector())
     config = json.loads((folder / "config.json").read_text())
-    config["vision_config"]["mm_projector_type"] = "patchmergerv2"
+    config["vision_config"]["mm_projector_type"] = "patchmergerv3"
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="unsupported projector.*'patchmergerv2'"):
+    with pytest.raises(CheckpointError, match="unsupported projector.*'patchmergerv3'"):
         MoonViTProjector.from_pretrained(folder)

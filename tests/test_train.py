@@ -208,6 +208,30 @@ def test_a_sigkill_then_the_same_command_gives_the_uninterrupted_weights(tmp_pat
     assert (tmp_path / "killed" / "metrics.jsonl").read_text().count('"train"') == 12
 
 
+def test_a_k3_shaped_encoder_trains_resumes_and_loads(tmp_path):
+    """MoonViT-V2's switches (RMSNorm, no biases, attention wider than the stream) through the whole
+    engine: no weight decay on the RMSNorm weights, a SIGKILL resumed to the uninterrupted weights,
+    a checkpoint that loads as a K3 tower; MAE's decoder takes the encoder's family."""
+    args = [*RUN[:3], "tiny-v2", *RUN[4:], "--steps", "8", "--save-every", "2"]
+    train(*args, "--out", tmp_path / "straight")
+    kill_after_steps(args, tmp_path / "killed", 3)
+    train(*args, "--out", tmp_path / "killed")
+    straight, resumed = weights(tmp_path / "straight"), weights(tmp_path / "killed")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    loaded = MoonViT.from_pretrained(tmp_path / "straight" / "checkpoint")
+    assert (loaded.config.norm_type, loaded.config.qkv_hidden_size, loaded.config.attn_bias) == ("rmsnorm", 96, False)
+    assert not any(name.endswith(".bias") for name in straight)
+    groups = param_groups(loaded, torch.nn.Linear(64, 3), OptimConfig(1.0, 1.0, 0.1, 1.0))
+    decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    norms = [m.weight for m in loaded.modules() if isinstance(m, torch.nn.RMSNorm)]
+    assert len(norms) == 5 and not any(id(w) in decayed for w in norms)
+    mae_args = ["--objective", "mae", "--preset", "tiny-v2", *TINY[4:], "--resolution", "28", "--batch-patches", "1024"]
+    mae = train(*mae_args, "--steps", "2", "--evals", "0", "--out", tmp_path / "mae")
+    assert mae["objective"] == "mae"
+    decoder = load_file(tmp_path / "mae" / "mae_decoder.safetensors")
+    assert not any(name.endswith(".bias") and ".blocks." in name for name in decoder)
+
+
 def test_a_changed_argument_is_refused_naming_it(tmp_path):
     train(*RUN, "--steps", "2", "--out", tmp_path)
     with pytest.raises(SystemExit, match="--lr = 0.003, but this command gives 0.001"):

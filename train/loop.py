@@ -33,7 +33,7 @@ from moonvit import CheckpointError, MoonViT, MoonViTConfig, MoonViTImageProcess
 from moonvit.cli import apply_threads, one_line_warnings, torch_dtype
 from moonvit.distributed import Ranks, close_ranks, init_ranks
 from moonvit.files import write_text_atomic
-from moonvit.perf import encoder_flops, matmul_peak
+from moonvit.perf import config_flops, matmul_peak
 
 from .augment import AugmentConfig
 from .batch import ImageSource, UnreadableImageError, render_pack
@@ -60,11 +60,18 @@ class TrainError(RuntimeError):
 
 
 def describe(config: MoonViTConfig) -> str:
-    """An encoder's shape in one line (compared on resume)."""
+    """An encoder's shape in one line (compared on resume); K3's switches named where they are set."""
+    family = ""
+    if config.norm_type != "layernorm" or config.qkv_hidden_size is not None or not config.attn_bias:
+        family = (
+            f", attention {config.attention_width}, {config.norm_type}, "
+            f"{'biases' if config.attn_bias and config.linear_bias else 'no biases'}, "
+            f"{config.pos_emb_interpolation_mode}"
+        )
     return (
         f"{config.num_hidden_layers} blocks x {config.hidden_size} ({config.num_attention_heads} heads, "
         f"MLP {config.intermediate_size}), patch {config.patch_size}, table "
-        f"{config.init_pos_emb_height}x{config.init_pos_emb_width}"
+        f"{config.init_pos_emb_height}x{config.init_pos_emb_width}{family}"
     )
 
 
@@ -292,8 +299,7 @@ class Trainer:
         return record
 
     def _forward_flops(self, pack: Pack) -> float:
-        c = self.encoder.config
-        return encoder_flops([item.kept for item in pack], c.hidden_size, c.intermediate_size, c.num_hidden_layers)
+        return config_flops([item.kept for item in pack], self.encoder.config)
 
     def _non_finite_message(self, loss: float, grad_norm: float) -> str:
         kept = (

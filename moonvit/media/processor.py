@@ -261,6 +261,11 @@ class MoonViTImageProcessor:
         mean / std 0.5."""
         return cls(**{"in_token_limit": 16384, "side_limit_mode": "resize", **overrides})
 
+    @classmethod
+    def kimi_k3(cls, **overrides: Any) -> MoonViTImageProcessor:
+        """Kimi K3's image rule: K2.5's at 65536 patches (16384 LLM tokens)."""
+        return cls.kimi_k25(**{"in_token_limit": 65536, **overrides})
+
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
         """Write the settings to ``directory/preprocessor_config.json`` and return that path."""
         directory = Path(directory)
@@ -473,8 +478,9 @@ def read_video_settings(path: str | os.PathLike, cls: type, **overrides: Any) ->
     with K2.5's per-side cap and per-frame budget: ``in_patch_limit_each_frame`` of a release's
     ``media_proc_cfg`` (default 4096), or ``max_patches`` of transformers'
     ``video_preprocessor_config.json``; the sampling rate (``sample_fps`` / ``fps``) and the chunk
-    length (``temporal_merge_kernel_size`` / ``temporal_patch_size``) likewise. A hub id is
-    fetched like the image processor's files.
+    length (``temporal_merge_kernel_size`` / ``temporal_patch_size``) likewise, and Kimi K3's
+    budget for a whole video (``in_patch_limit_video``). A hub id is fetched like the image
+    processor's files.
     """
     folder = resolve_pretrained(path, _fetch_video_processor_files)
     image = MoonViTImageProcessor.from_pretrained(folder)
@@ -486,6 +492,8 @@ def read_video_settings(path: str | os.PathLike, cls: type, **overrides: Any) ->
     frame_limit = release.get("in_patch_limit_each_frame") or video.get("max_patches") or 4096
     frames = dataclasses.replace(image, in_token_limit=int(frame_limit), side_limit_mode="resize")
     settings: dict[str, Any] = {"frame_processor": frames}
+    if release.get("in_patch_limit_video") is not None:  # Kimi K3: a budget for the whole video
+        settings["video_patch_limit"] = int(release["in_patch_limit_video"])
     rate = release.get("sample_fps", video.get("sample_fps", video.get("fps")))
     if rate is not None:
         settings["sample_fps"] = float(rate)

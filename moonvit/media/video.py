@@ -311,6 +311,10 @@ class MoonViTVideoProcessor:
             ``"resize"`` (K2.5's per-side cap).
         sample_fps: frames per second sampled (at most the source's rate).
         frames_per_chunk: the most frames of a chunk (K2.5's ``temporal_merge_kernel_size``).
+        video_patch_limit: Kimi K3's budget for a whole video (``in_patch_limit_video``): a video of
+            n sampled frames has a per-frame limit of min(the frame processor's,
+            max(1, round(video_patch_limit / n))), so long videos get smaller frames; None (K2.5):
+            no such budget.
     """
 
     frame_processor: MoonViTImageProcessor = dataclasses.field(
@@ -318,12 +322,17 @@ class MoonViTVideoProcessor:
     )
     sample_fps: float = 2.0
     frames_per_chunk: int = 4
+    video_patch_limit: int | None = None
 
     def __post_init__(self) -> None:
         if not (self.sample_fps > 0 and math.isfinite(self.sample_fps)):
             raise ValueError(f"sample_fps must be a positive number, got {self.sample_fps!r}")
         if not isinstance(self.frames_per_chunk, int) or self.frames_per_chunk < 1:
             raise ValueError(f"frames_per_chunk must be a positive int, got {self.frames_per_chunk!r}")
+        if self.video_patch_limit is not None and (
+            not isinstance(self.video_patch_limit, int) or self.video_patch_limit < 1
+        ):
+            raise ValueError(f"video_patch_limit must be a positive int or None, got {self.video_patch_limit!r}")
 
     @classmethod
     def for_images(cls, processor: MoonViTImageProcessor, frame_limit: int = 4096) -> MoonViTVideoProcessor:
@@ -333,6 +342,12 @@ class MoonViTVideoProcessor:
             processor, in_token_limit=min(frame_limit, processor.in_token_limit), side_limit_mode="resize"
         )
         return cls(frame_processor=frames)
+
+    @classmethod
+    def kimi_k3(cls) -> MoonViTVideoProcessor:
+        """Kimi K3's video rule: K2.5's, at 8 fps, 16384 patches a frame and 655360 a video."""
+        frames = MoonViTImageProcessor(in_token_limit=16384, side_limit_mode="resize")
+        return cls(frame_processor=frames, sample_fps=8.0, video_patch_limit=655360)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **overrides: Any) -> MoonViTVideoProcessor:
@@ -347,6 +362,7 @@ class MoonViTVideoProcessor:
             "sample_fps": self.sample_fps,
             "frames_per_chunk": self.frames_per_chunk,
             "in_patch_limit_each_frame": self.frame_processor.in_token_limit,
+            "in_patch_limit_video": self.video_patch_limit,
         }
 
     def check_tower(self, max_frames: int, name: str = "a video") -> None:
@@ -370,9 +386,20 @@ class MoonViTVideoProcessor:
         runs = [indices[i : i + self.frames_per_chunk] for i in range(0, len(indices), self.frames_per_chunk)]
         return [ChunkPlan(k, tuple(run), run[0] / info.fps) for k, run in enumerate(runs)]
 
+    def frame_limit(self, info: VideoInfo) -> int:
+        """The per-frame patch limit of a video: the frame processor's, lowered by
+        :attr:`video_patch_limit` over the video's sampled frames where that is set (Kimi K3)."""
+        limit = self.frame_processor.in_token_limit
+        if self.video_patch_limit is None:
+            return limit
+        sampled = len(sample_frame_indices(info.num_frames, info.fps, self.sample_fps))
+        return min(limit, max(1, round(self.video_patch_limit / sampled)))
+
     def plan_frame(self, info: VideoInfo, in_token_limit: int | None = None) -> ImagePlan:
-        """Every frame's geometry (all frames of a video share one size)."""
-        return self.frame_processor.plan_image(*info.size, in_token_limit=in_token_limit)
+        """Every frame's geometry (all frames of a video share one size); ``in_token_limit``
+        (a pack budget's) defaults to :meth:`frame_limit`."""
+        limit = self.frame_limit(info) if in_token_limit is None else in_token_limit
+        return self.frame_processor.plan_image(*info.size, in_token_limit=limit)
 
     def chunks(self, source: VideoSource) -> list[VideoChunk]:
         """The chunks of ``source`` as pack inputs (metadata only, nothing decoded)."""

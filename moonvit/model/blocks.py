@@ -1,7 +1,8 @@
-"""The pre-LN transformer block of MoonViT.
+"""The pre-norm transformer block of MoonViT (Kimi-VL, K2.5 and K3's MoonViT-V2).
 
 Module and parameter names mirror Kimi-VL's checkpoints
-(``norm0``, ``wqkv``, ``wo``, ``norm1``, ``mlp.fc0``, ``mlp.fc1``).
+(``norm0``, ``wqkv``, ``wo``, ``norm1``, ``mlp.fc0``, ``mlp.fc1``). K3's block is the same
+module with an attention wider than the stream, RMSNorm and no biases (:meth:`Block.from_config`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch.nn as nn
 
 from .attention import get_attention
 from .chunking import map_row_chunks
+from .config import MoonViTConfig
 from .grid import PackedGrid
 from .linear import linear
 from .rope import apply_rope
@@ -20,13 +22,23 @@ from .rope import apply_rope
 MLP_CHUNK_BYTES = 16 * 2**20
 
 
+def make_norm(dim: int, norm_type: str = "layernorm", eps: float | None = 1e-5) -> nn.Module:
+    """The tower's norm: ``LayerNorm(dim, eps)``, or ``RMSNorm(dim, eps)`` (weight only; eps None takes the
+    epsilon of the dtype it computes in, torch's default, as Kimi K3 builds it)."""
+    if norm_type == "rmsnorm":
+        return nn.RMSNorm(dim, eps=eps)
+    if norm_type == "layernorm" and eps is not None:
+        return nn.LayerNorm(dim, eps=eps)
+    raise ValueError(f"norm_type {norm_type!r} with eps {eps!r} is not a norm of the tower (layernorm, rmsnorm)")
+
+
 class MLP(nn.Module):
     """fc1(gelu_tanh(fc0(x))) (+ a residual); rows are independent, so large packs run in chunks of rows."""
 
-    def __init__(self, dim: int, hidden_dim: int) -> None:
+    def __init__(self, dim: int, hidden_dim: int, bias: bool = True) -> None:
         super().__init__()
-        self.fc0 = nn.Linear(dim, hidden_dim)
-        self.fc1 = nn.Linear(hidden_dim, dim)
+        self.fc0 = nn.Linear(dim, hidden_dim, bias=bias)
+        self.fc1 = nn.Linear(hidden_dim, dim, bias=bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """(L, D) -> (L, D); with ``residual`` (L, D), ``residual + mlp(x)`` (added in fc1's epilogue on CPU)."""
@@ -52,24 +64,61 @@ def drop_path_per_item(branch: torch.Tensor, grid: PackedGrid, rate: float) -> t
 class Block(nn.Module):
     """x + wo(attn(norm0(x))), then x + mlp(norm1(x)), on packed (L, D) rows.
 
-    ``drop_path`` > 0 adds per-image stochastic depth to both branches in training mode.
+    Args:
+        dim: D, the width of the residual stream.
+        num_heads: attention heads.
+        mlp_dim: the MLP's hidden width.
+        eps: the norms' epsilon (None: the dtype's, for RMSNorm).
+        drop_path: > 0 adds per-image stochastic depth to both branches in training mode.
+        attn_dim: the attention's inner width A (q, k, v are (heads, A / heads) each; Kimi K3:
+            1536 for D = 1024); None: D.
+        norm_type: ``"layernorm"`` or ``"rmsnorm"``.
+        attn_bias, mlp_bias: whether wqkv / wo and the MLP's linears have biases.
     """
 
-    def __init__(self, dim: int, num_heads: int, mlp_dim: int, eps: float, drop_path: float = 0.0) -> None:
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_dim: int,
+        eps: float | None,
+        drop_path: float = 0.0,
+        *,
+        attn_dim: int | None = None,
+        norm_type: str = "layernorm",
+        attn_bias: bool = True,
+        mlp_bias: bool = True,
+    ) -> None:
         super().__init__()
+        attn_dim = dim if attn_dim is None else attn_dim
         self.num_heads = num_heads
         self.drop_path = drop_path
-        self.norm0 = nn.LayerNorm(dim, eps=eps)
-        self.wqkv = nn.Linear(dim, 3 * dim)
-        self.wo = nn.Linear(dim, dim)
-        self.norm1 = nn.LayerNorm(dim, eps=eps)
-        self.mlp = MLP(dim, mlp_dim)
+        self.norm0 = make_norm(dim, norm_type, eps)
+        self.wqkv = nn.Linear(dim, 3 * attn_dim, bias=attn_bias)
+        self.wo = nn.Linear(attn_dim, dim, bias=attn_bias)
+        self.norm1 = make_norm(dim, norm_type, eps)
+        self.mlp = MLP(dim, mlp_dim, bias=mlp_bias)
+
+    @classmethod
+    def from_config(cls, config: MoonViTConfig, drop_path: float = 0.0) -> Block:
+        """A block of the tower ``config`` describes."""
+        return cls(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.intermediate_size,
+            config.layer_norm_eps,
+            drop_path,
+            attn_dim=config.attention_width,
+            norm_type=config.norm_type,
+            attn_bias=config.attn_bias,
+            mlp_bias=config.linear_bias,
+        )
 
     def attention(
         self, x: torch.Tensor, grid: PackedGrid, attn_implementation: str, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Multi-head self-attention within each image of the pack, (L, D) -> (L, D) (+ ``residual``)."""
-        # wqkv's output is laid out [q | k | v], each (heads, head_dim); q and k are rotated in one pass.
+        # wqkv's output (L, 3A) is laid out [q | k | v], each (heads, A / heads); q and k are rotated in one pass.
         qkv = linear(self.wqkv, x).unflatten(-1, (3, self.num_heads, -1))
         qk = apply_rope(qkv[:, :2], grid.rope_rotation)
         out = get_attention(attn_implementation)(qk[:, 0], qk[:, 1], qkv[:, 2], grid)

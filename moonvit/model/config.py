@@ -53,6 +53,19 @@ class MoonViTConfig(DictConfig):
     ``drop_path_rate`` is a training option (stochastic depth, drawn per image,
     growing linearly with depth to this rate at the last block); it has no
     effect in eval mode.
+
+    Kimi K3's tower (MoonViT-V2) is the same encoder with other switches, each
+    defaulting to the Kimi-VL / K2.5 behaviour:
+
+    - ``qkv_hidden_size``: the attention's inner width (K3: 1536 for a 1024-wide
+      tower, head_dim 128); None means ``hidden_size``.
+    - ``norm_type``: ``"layernorm"`` or ``"rmsnorm"`` (norm0, norm1, the final norm).
+    - ``layer_norm_eps``: the norms' epsilon; None (RMSNorm only, as K3 builds it)
+      takes the epsilon of the dtype the norm computes in (torch's RMSNorm default).
+    - ``attn_bias`` (wqkv, wo), ``linear_bias`` (the MLP), ``patch_embed_proj_bias``
+      (the patch convolution): whether those layers have biases.
+    - ``pos_emb_interpolation_mode``: ``"bicubic"`` or ``"bilinear"``, how the
+      position table is resampled to each grid (``F.interpolate``, align_corners False).
     """
 
     patch_size: int = 14
@@ -67,16 +80,37 @@ class MoonViTConfig(DictConfig):
     num_channels: int = 3
     rope_theta: float = 10000.0
     max_grid_side: int = 512
-    layer_norm_eps: float = 1e-5
+    layer_norm_eps: float | None = 1e-5
     drop_path_rate: float = 0.0
     attn_implementation: str = "auto"
+    qkv_hidden_size: int | None = None
+    norm_type: str = "layernorm"
+    attn_bias: bool = True
+    linear_bias: bool = True
+    patch_embed_proj_bias: bool = True
+    pos_emb_interpolation_mode: str = "bicubic"
     model_type: str = field(default="moonvit", init=False)
 
     def __post_init__(self) -> None:
         self.merge_kernel_size = merge_kernel(self.merge_kernel_size)
-        if self.hidden_size % self.num_attention_heads:
+        for name, allowed in (("norm_type", NORM_TYPES), ("pos_emb_interpolation_mode", INTERPOLATION_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{name} {getattr(self, name)!r} is not supported (only {', '.join(map(repr, allowed))})"
+                )
+        for name in ("attn_bias", "linear_bias", "patch_embed_proj_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.layer_norm_eps is None and self.norm_type != "rmsnorm":
             raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
+                "layer_norm_eps None (the dtype's epsilon) is for norm_type 'rmsnorm'; LayerNorm needs a number"
+            )
+        if self.qkv_hidden_size is not None and self.qkv_hidden_size < 1:
+            raise ValueError(f"qkv_hidden_size must be positive (or None: hidden_size), got {self.qkv_hidden_size}")
+        if self.attention_width % self.num_attention_heads:
+            width = "hidden_size" if self.qkv_hidden_size is None else "qkv_hidden_size"
+            raise ValueError(
+                f"{width} {self.attention_width} is not divisible by num_attention_heads {self.num_attention_heads}"
             )
         if self.head_dim % 4:
             raise ValueError(f"2D RoPE needs head_dim divisible by 4, got {self.head_dim}")
@@ -87,8 +121,13 @@ class MoonViTConfig(DictConfig):
         check_attn_name(self.attn_implementation)
 
     @property
+    def attention_width(self) -> int:
+        """The attention's inner width: ``qkv_hidden_size``, or ``hidden_size`` where it is not set."""
+        return self.hidden_size if self.qkv_hidden_size is None else self.qkv_hidden_size
+
+    @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.attention_width // self.num_attention_heads
 
     @property
     def max_frames(self) -> int:
@@ -104,6 +143,21 @@ class MoonViTConfig(DictConfig):
         """Write ``config.json`` into ``folder`` (atomically)."""
         write_text_atomic(Path(folder) / "config.json", json.dumps(self.to_dict(), indent=2) + "\n")
 
+
+NORM_TYPES = ("layernorm", "rmsnorm")
+INTERPOLATION_MODES = ("bicubic", "bilinear")
+
+# Kimi K3's switches (MoonViT-V2): attention wider than the stream, RMSNorm with the dtype's
+# epsilon, no biases, bilinear resampling, and K2.5's 4-frame temporal table.
+_V2 = dict(
+    norm_type="rmsnorm",
+    layer_norm_eps=None,
+    attn_bias=False,
+    linear_bias=False,
+    patch_embed_proj_bias=False,
+    pos_emb_interpolation_mode="bilinear",
+    init_pos_emb_time=4,
+)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The released Kimi-VL / MoonViT-SO-400M tower.
@@ -121,11 +175,28 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-3d": dict(
         num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, init_pos_emb_time=4
     ),
+    # Kimi K3's tower (MoonViT-V2): 27 x 1024, 12 heads over an attention width of 1536 (head_dim 128).
+    "moonvit-v2": dict(
+        num_hidden_layers=27,
+        hidden_size=1024,
+        num_attention_heads=12,
+        qkv_hidden_size=1536,
+        intermediate_size=4096,
+        **_V2,
+    ),
+    # The same switches at small sizes (attention 1.5x the width, as K3): training and tests.
+    "small-v2": dict(
+        num_hidden_layers=6, hidden_size=384, num_attention_heads=6, qkv_hidden_size=576, intermediate_size=1536, **_V2
+    ),
+    "tiny-v2": dict(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, qkv_hidden_size=96, intermediate_size=128, **_V2
+    ),
 }
 
 
 def preset_config(name: str, **overrides: Any) -> MoonViTConfig:
-    """The config of a named preset (``so400m``, ``small``, ``tiny``), with optional overrides."""
+    """The config of a named preset (see :data:`PRESETS`: ``so400m``, ``moonvit-v2``, ``small``, ``tiny``, ...),
+    with optional overrides."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return MoonViTConfig(**{**PRESETS[name], **overrides})

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .attention import check_attn_implementation, resolve_attn_implementation
-from .blocks import Block
+from .blocks import Block, make_norm
 from .config import MoonViTConfig, preset_config
 from .grid import GridCache, GridInput, PackedGrid, build_packed_grid, check_pixel_shape
 from .position import LearnablePositionTable
@@ -46,7 +46,9 @@ class PatchEmbed(nn.Module):
     def __init__(self, config: MoonViTConfig) -> None:
         super().__init__()
         p = config.patch_size
-        self.proj = nn.Conv2d(config.num_channels, config.hidden_size, kernel_size=p, stride=p)
+        self.proj = nn.Conv2d(
+            config.num_channels, config.hidden_size, kernel_size=p, stride=p, bias=config.patch_embed_proj_bias
+        )
         self.pos_emb = LearnablePositionTable(config.init_pos_emb_height, config.init_pos_emb_width, config.hidden_size)
         self.time_rows = config.init_pos_emb_time
 
@@ -82,24 +84,15 @@ def temporal_table(rows: int, dim: int, device: torch.device, dtype: torch.dtype
 
 
 class Encoder(nn.Module):
-    """The stack of blocks and the final LayerNorm."""
+    """The stack of blocks and the final norm (LayerNorm, or RMSNorm for K3; named as Kimi names it)."""
 
     def __init__(self, config: MoonViTConfig) -> None:
         super().__init__()
         depth = config.num_hidden_layers
         # Stochastic depth grows linearly from 0 at the first block to the rate at the last.
         rates = [config.drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
-        self.blocks = nn.ModuleList(
-            Block(
-                config.hidden_size,
-                config.num_attention_heads,
-                config.intermediate_size,
-                config.layer_norm_eps,
-                drop_path=rate,
-            )
-            for rate in rates
-        )
-        self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.blocks = nn.ModuleList(Block.from_config(config, drop_path=rate) for rate in rates)
+        self.final_layernorm = make_norm(config.hidden_size, config.norm_type, config.layer_norm_eps)
         self.gradient_checkpointing = False
 
     def forward(
@@ -123,7 +116,7 @@ class Encoder(nn.Module):
 
 
 class MoonViT(nn.Module):
-    """Kimi-VL's MoonViT vision tower.
+    """The MoonViT vision tower of Kimi-VL, Kimi-K2.5 / K2.6 (clips) and Kimi K3 (MoonViT-V2), by its config.
 
     Call it as ``encoder(pixel_values, grid_hws)`` with every image of a pack cut
     into patches in raster order and concatenated; attention stays within each
@@ -142,7 +135,8 @@ class MoonViT(nn.Module):
     # ---- construction -------------------------------------------------------------
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> MoonViT:
-        """A randomly initialised encoder of a named size: ``so400m``, ``small`` or ``tiny``."""
+        """A randomly initialised encoder of a named preset (``so400m``, ``so400m-3d``, ``moonvit-v2``, ``small``,
+        ``tiny``, ...; see :data:`~moonvit.model.config.PRESETS`)."""
         return cls(preset_config(name, **overrides))
 
     @classmethod
@@ -316,3 +310,5 @@ def _init_weights(module: nn.Module) -> None:
     elif isinstance(module, nn.LayerNorm):
         nn.init.ones_(module.weight)
         nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.RMSNorm):
+        nn.init.ones_(module.weight)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import MoonViTConfig
-from .position import bicubic_resample_taps
+from .position import resample_taps
 from .rope import rope_rotation
 
 GridInput = torch.Tensor | Sequence[Sequence[int]]
@@ -67,9 +67,9 @@ class PackedGrid:
         item_index: (L,) int64, the item each row belongs to.
         rope_rotation: (L, head_dim // 2, 2) float32, (cos, sin) of the RoPE rotation of
             each channel pair (pair 2i: column angle, 2i + 1: row angle).
-        pos_emb_index: (U, 16) int64, bicubic taps into the flattened position
-            table, for the U patches of the pack's distinct (h, w) sizes.
-        pos_emb_weight: (U, 16) float64, the weights of those taps.
+        pos_emb_index: (U, K) int64, resampling taps into the flattened position
+            table (K = 16 bicubic, 4 bilinear), for the U patches of the pack's distinct (h, w) sizes.
+        pos_emb_weight: (U, K) float64, the weights of those taps.
         pos_emb_row: (L,) int64, each row's entry among those U, or None when
             every image has its own size, no clip repeats frames and nothing was
             dropped (U = L, rows in order).
@@ -331,6 +331,7 @@ def _geometry(config: MoonViTConfig) -> tuple:
         config.init_pos_emb_height,
         config.init_pos_emb_width,
         tuple(config.merge_kernel_size),
+        config.pos_emb_interpolation_mode,
     )
 
 
@@ -393,7 +394,7 @@ def _build(
     keep: list[torch.Tensor] | None,
     device: torch.device | None,
 ) -> PackedGrid:
-    head_dim, rope_theta, table_height, table_width, (kh, kw) = geometry
+    head_dim, rope_theta, table_height, table_width, (kh, kw), mode = geometry
     thw = torch.tensor(thws, dtype=torch.int64)
     frames, heights, widths = thw.unbind(1)
     frame_sizes = heights * widths
@@ -416,15 +417,15 @@ def _build(
     direct = keep is None and len(distinct) == len(thws) and bool((frames == 1).all())
     if direct:
         pos_emb_sizes = tuple((h, w) for _, h, w in thws)
-        taps, weights = bicubic_resample_taps(positions, heights[item], width, table_height, table_width)
+        taps, weights = resample_taps(positions, heights[item], width, table_height, table_width, mode)
         pos_emb_row = None
     else:
         pos_emb_sizes = tuple((int(h), int(w)) for h, w in distinct.tolist())
         size_starts, size_owner, size_local = _segments(distinct[:, 0] * distinct[:, 1])
         size_width = distinct[size_owner, 1]
         size_positions = torch.stack([size_local // size_width, size_local % size_width], dim=-1)
-        taps, weights = bicubic_resample_taps(
-            size_positions, distinct[size_owner, 0], size_width, table_height, table_width
+        taps, weights = resample_taps(
+            size_positions, distinct[size_owner, 0], size_width, table_height, table_width, mode
         )
         pos_emb_row = size_starts[size_of_item[item]] + spatial
 

@@ -1,7 +1,8 @@
 """Linear layers with their epilogue (bias, tanh GELU, a residual add) fused on CPU.
 
 In eager mode every elementwise step after a matmul is another pass over its
-output: ``addmm`` first copies the broadcast bias into the output, GELU reads and
+output: ``addmm`` first copies the broadcast bias into the output (a layer without one,
+as in Kimi K3, fuses the rest all the same), GELU reads and
 writes the (L, 4304) MLP activation once more, and each residual add reads two
 (L, D) tensors and writes a third. oneDNN's linear runs the bias, the tanh GELU or
 the residual add in the matmul's epilogue, on the float32 accumulator before the
@@ -55,7 +56,6 @@ def _fusable(layer: nn.Module, x: torch.Tensor) -> bool:
         and x.device.type == "cpu"
         and x.dtype in _FUSED_DTYPES
         and layer.weight.dtype == x.dtype
-        and layer.bias is not None
         and not (torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad))
         and not (layer._forward_hooks or layer._forward_pre_hooks)
         and not (_module._global_forward_hooks or _module._global_forward_pre_hooks)

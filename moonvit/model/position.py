@@ -1,10 +1,12 @@
-"""The learnable 2D position table and its bicubic resampling to each image's grid.
+"""The learnable 2D position table and its resampling to each image's grid.
 
 MoonViT resizes its (64, 64, D) table to every image's (h, w) grid with
-``F.interpolate(mode="bicubic", align_corners=False)`` and no antialiasing. That
-resize is separable: each output patch reads 4 x 4 table rows with fixed
-weights, so the whole pack is one ``embedding_bag`` over precomputed taps
-instead of a per-image loop.
+``F.interpolate(align_corners=False)`` and no antialiasing: bicubic in Kimi-VL and
+K2.5, bilinear in Kimi K3. Both resizes are separable: each output patch reads a
+fixed set of table rows with fixed weights (4 x 4 bicubic, 2 x 2 bilinear), so the
+whole pack is one ``embedding_bag`` over precomputed taps instead of a per-image loop.
+The taps are computed from the grid alone (:func:`resample_taps`), in float64 with NumPy,
+for the model's grid and the ONNX graph's inputs alike.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ ArrayT = TypeVar("ArrayT", torch.Tensor, np.ndarray)
 
 # Keys' cubic convolution coefficient used by PyTorch's bicubic kernels.
 CUBIC_A = -0.75
+TAPS_PER_AXIS = {"bicubic": 4, "bilinear": 2}
+"""Table rows each output reads along one axis; a resampled row reads the square of it."""
 
 
 def cubic_weights(t: ArrayT) -> ArrayT:
@@ -39,47 +43,64 @@ def cubic_weights(t: ArrayT) -> ArrayT:
     def far(x: ArrayT) -> ArrayT:  # 1 < |x| < 2
         return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
 
-    taps = [far(t + 1), near(t), near(1 - t), far(2 - t)]
-    return torch.stack(taps, dim=-1) if isinstance(t, torch.Tensor) else np.stack(taps, axis=-1)
+    return _stack([far(t + 1), near(t), near(1 - t), far(2 - t)])
 
 
-def _axis_taps(index: torch.Tensor, out_size: torch.Tensor, in_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Taps (..., 4) int64 and weights (..., 4) float64 along one axis.
+def _stack(parts: list[ArrayT]) -> ArrayT:
+    return torch.stack(parts, dim=-1) if isinstance(parts[0], torch.Tensor) else np.stack(parts, axis=-1)
 
-    Output coordinate ``index`` of an axis resized from ``in_size`` to ``out_size``
-    samples the source at ``(index + 0.5) * in_size / out_size - 0.5``
-    (half-pixel centres, align_corners=False); taps outside the table are clamped
-    to its border.
+
+def axis_taps(
+    index: np.ndarray, out_size: np.ndarray, in_size: int, mode: str = "bicubic"
+) -> tuple[np.ndarray, np.ndarray]:
+    """Taps (..., K) int64 and weights (..., K) float64 along one axis (K = 4 bicubic, 2 bilinear).
+
+    Output coordinate ``index`` of an axis resized from ``in_size`` to ``out_size`` samples the
+    source at ``(index + 0.5) * in_size / out_size - 0.5`` (half-pixel centres, align_corners=False).
+    As in PyTorch's kernels, bilinear clamps that coordinate at 0 and reads the two neighbours;
+    bicubic reads four and clamps the taps to the table's border.
     """
-    source = (index.double() + 0.5) * (in_size / out_size.double()) - 0.5
-    base = source.floor()
-    weights = cubic_weights(source - base)
-    taps = base.long().unsqueeze(-1) + torch.arange(-1, 3)
-    return taps.clamp(0, in_size - 1), weights
+    source = (index.astype(np.float64) + 0.5) * (in_size / out_size.astype(np.float64)) - 0.5
+    if mode == "bilinear":
+        source = np.maximum(source, 0.0)
+        base = np.floor(source)
+        weights, offsets = np.stack([1 - (source - base), source - base], axis=-1), np.arange(2)
+    elif mode == "bicubic":
+        base = np.floor(source)
+        weights, offsets = cubic_weights(source - base), np.arange(-1, 3)
+    else:
+        raise ValueError(f"pos_emb_interpolation_mode {mode!r} is not supported (only 'bicubic', 'bilinear')")
+    return np.clip(base.astype(np.int64)[..., None] + offsets, 0, in_size - 1), weights
 
 
-def bicubic_resample_taps(
-    positions: torch.Tensor,
-    heights: torch.Tensor,
-    widths: torch.Tensor,
+def resample_taps(
+    positions: ArrayT,
+    heights: ArrayT,
+    widths: ArrayT,
     table_height: int,
     table_width: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bicubic taps into a flattened (table_height * table_width, D) table.
+    mode: str = "bicubic",
+) -> tuple[ArrayT, ArrayT]:
+    """Taps into a flattened (table_height * table_width, D) table, computed in float64 with NumPy
+    and returned as the inputs are given (torch CPU tensors or NumPy arrays).
 
     Args:
         positions: (L, 2) int64 (row, col) of each patch.
         heights, widths: (L,) int64 grid size of each patch's image.
+        mode: ``"bicubic"`` (16 taps) or ``"bilinear"`` (4 taps).
 
     Returns:
-        taps: (L, 16) int64 row indices into the flattened table.
-        weights: (L, 16) float64 weights; each row sums to 1.
+        taps: (L, K) int64 row indices into the flattened table.
+        weights: (L, K) float64 weights; each row sums to 1.
     """
-    row_taps, row_weights = _axis_taps(positions[:, 0], heights, table_height)
-    col_taps, col_weights = _axis_taps(positions[:, 1], widths, table_width)
-    taps = row_taps[:, :, None] * table_width + col_taps[:, None, :]
-    weights = row_weights[:, :, None] * col_weights[:, None, :]
-    return taps.flatten(1), weights.flatten(1)
+    arrays = [np.asarray(a) for a in (positions, heights, widths)]
+    row_taps, row_weights = axis_taps(arrays[0][:, 0], arrays[1], table_height, mode)
+    col_taps, col_weights = axis_taps(arrays[0][:, 1], arrays[2], table_width, mode)
+    taps = (row_taps[:, :, None] * table_width + col_taps[:, None, :]).reshape(len(row_taps), -1)
+    weights = (row_weights[:, :, None] * col_weights[:, None, :]).reshape(len(row_weights), -1)
+    if isinstance(positions, torch.Tensor):
+        return torch.from_numpy(taps), torch.from_numpy(weights)
+    return taps, weights
 
 
 class LearnablePositionTable(nn.Module):
@@ -109,7 +130,7 @@ class LearnablePositionTable(nn.Module):
         """(U, dim) position embeddings in the table's dtype.
 
         Args:
-            taps, tap_weights: (U, 16) from :func:`bicubic_resample_taps`.
+            taps, tap_weights: (U, K) from :func:`resample_taps`.
             sizes: the (h, w) grids whose rasters make up the U rows, in order;
                 needed for the cache.
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from ..model.config import MoonViTConfig
 from ..model.grid import check_grid_rows, check_pixel_shape
-from ..model.position import cubic_weights
+from ..model.position import resample_taps
 
 INPUT_NAMES = (
     "pixel_values",
@@ -136,29 +136,24 @@ def _position_taps(
     thw: np.ndarray, item: np.ndarray, spatial: np.ndarray, config: MoonViTConfig
 ) -> dict[str, np.ndarray]:
     """The position table resampled once per distinct (h, w) of the pack (a clip's frames, repeated
-    camera sizes), as bicubic taps; each row reads its size's entry."""
+    camera sizes), as the config's resampling taps; each row reads its size's entry."""
     sizes, size_of_item = np.unique(thw[:, 1:], axis=0, return_inverse=True)
     size_starts, size_owner, size_local = _segments(sizes[:, 0] * sizes[:, 1])
     size_heights, size_widths = sizes[size_owner, 0], sizes[size_owner, 1]
-    row_taps, row_weights = _axis_taps(size_local // size_widths, size_heights, config.init_pos_emb_height)
-    col_taps, col_weights = _axis_taps(size_local % size_widths, size_widths, config.init_pos_emb_width)
-    taps = row_taps[:, :, None] * config.init_pos_emb_width + col_taps[:, None, :]
-    weights = row_weights[:, :, None] * col_weights[:, None, :]
+    size_positions = np.stack([size_local // size_widths, size_local % size_widths], axis=-1)
+    taps, weights = resample_taps(
+        size_positions,
+        size_heights,
+        size_widths,
+        config.init_pos_emb_height,
+        config.init_pos_emb_width,
+        config.pos_emb_interpolation_mode,
+    )
     return {
-        "pos_emb_index": taps.reshape(len(taps), -1),
-        "pos_emb_weight": weights.reshape(len(weights), -1).astype(np.float32),
+        "pos_emb_index": taps,
+        "pos_emb_weight": weights.astype(np.float32),
         "pos_emb_row": size_starts[size_of_item.reshape(-1)[item]] + spatial,
     }
-
-
-def _axis_taps(index: np.ndarray, out_size: np.ndarray, in_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """NumPy twin of :func:`moonvit.model.position._axis_taps` (the same float64 arithmetic, so the
-    same bits): taps (..., 4) int64 and weights (..., 4) float64, half-pixel centres, taps
-    clamped to the table."""
-    source = (index.astype(np.float64) + 0.5) * (in_size / out_size.astype(np.float64)) - 0.5
-    base = np.floor(source)
-    taps = base.astype(np.int64)[..., None] + np.arange(-1, 3)
-    return np.clip(taps, 0, in_size - 1), cubic_weights(source - base)
 
 
 def _attention_layout(

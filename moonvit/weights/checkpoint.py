@@ -147,7 +147,13 @@ def assign_from_files(
     if missing or unexpected:
         raise CheckpointError(
             f"{folder} does not match the {type(model).__name__} config: "
-            + "; ".join([*count_mismatches(found, set(needed)), *name_lists(missing=missing, unexpected=unexpected)])
+            + "; ".join(
+                [
+                    *count_mismatches(found, set(needed)),
+                    *name_lists(missing=missing, unexpected=unexpected),
+                    *family_hints(missing, unexpected, set(needed)),
+                ]
+            )
         )
     with ExitStack() as stack:  # each file opened once (a legacy torch pickle is read whole)
         opened = {file: stack.enter_context(open_tensor_file(file)) for file in files}
@@ -205,6 +211,25 @@ def count_mismatches(found: set[str], wanted: set[str]) -> list[str]:
         for stem in sorted(have.keys() | want.keys())
         if have.get(stem, 0) != want.get(stem, 0)
     ]
+
+
+def family_hints(missing: list[str], unexpected: list[str], needed: set[str]) -> list[str]:
+    """What a mismatch of all the biases and nothing else says: weights of one family read with
+    another's config (Kimi K3's layers have no biases; Kimi-VL's and K2.5's do). One missing bias
+    is a damaged file, not a family, and gets no hint."""
+    hints = []
+    biases = {name for name in needed if name.endswith(".bias")}
+    if missing and set(missing) == biases:
+        hints.append(
+            "the checkpoint has no biases where the config expects them: is it a Kimi K3 (MoonViT-V2) tower "
+            "read with a Kimi-VL / K2.5 config? (K3's config sets attn_bias, linear_bias, patch_embed_proj_bias false)"
+        )
+    if unexpected and all(name.endswith(".bias") for name in unexpected):
+        hints.append(
+            "the checkpoint has biases the config does not expect: is it a Kimi-VL / K2.5 tower read with a "
+            "Kimi K3 (MoonViT-V2) config?"
+        )
+    return hints
 
 
 def name_lists(**lists: list[str]) -> list[str]:

@@ -9,6 +9,10 @@ Configs (``config.json``):
   ``init_pos_emb_height / width / time``, ``pos_emb_type``, ``merge_type``,
   ``video_attn_type`` (read explicitly: transformers silently ignores the ``vt_``
   names) and the projector's ``mm_*`` fields;
+- Kimi K3's (MoonViT-V2): the same ``vt_*`` keys and K3's switches,
+  ``qkv_hidden_size``, ``norm_type``, ``attn_bias``, ``linear_bias``,
+  ``patch_embed_proj_bias``, ``pos_emb_interpolation_mode`` (read under their
+  own names; an RMSNorm tower without an eps key takes its dtype's epsilon);
 - transformers' native ``kimi_k25``: ``vision_config`` with ``model_type
   "kimi_k25_vision"``, ``hidden_size``, ``pos_emb_height / width / time``,
   ``hidden_act`` and ``rope_parameters``.
@@ -70,8 +74,22 @@ _K25_RELEASE_KEYS = {
     "patch_size": "patch_size",
     "merge_kernel_size": "merge_kernel_size",
 }
-# The one value the K2.5 code accepts for each architecture switch.
-_K25_SWITCHES = {"pos_emb_type": "divided_fixed", "merge_type": "sd2_tpool", "video_attn_type": "spatial_temporal"}
+# Kimi K3's switches, under the names of MoonViTConfig's fields (its __post_init__ names a bad value).
+_K3_KEYS = {
+    name: name
+    for name in (
+        "qkv_hidden_size", "norm_type", "layer_norm_eps", "attn_bias", "linear_bias", "patch_embed_proj_bias",
+        "pos_emb_interpolation_mode",
+    )
+}  # fmt: skip
+# The one value the K2.5 and K3 code accepts for each architecture switch.
+_K25_SWITCHES = {
+    "pos_emb_type": "divided_fixed",
+    "merge_type": "sd2_tpool",
+    "video_attn_type": "spatial_temporal",
+    "mlp_type": "mlp2",
+    "activation_func": "gelu_pytorch_tanh",
+}
 _K25_NATIVE_KEYS = {
     "hidden_size": "hidden_size",
     "num_hidden_layers": "num_hidden_layers",
@@ -99,14 +117,15 @@ def _mapped(values: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
 def encoder_config_from_json(values: dict[str, Any], where: str | Path) -> tuple[MoonViTConfig, str]:
     """The encoder config of a ``config.json`` dict, and the family it was read as.
 
-    Families: ``"own"``, ``"kimi-vl"``, ``"kimi-k25"`` (release keys) and
-    ``"kimi-k25-transformers"``. Keys the package does not read are named in one
+    Families: ``"own"``, ``"kimi-vl"``, ``"kimi-k25"`` (release keys), ``"kimi-k3"`` (release
+    keys with K3's switches) and ``"kimi-k25-transformers"``. Keys the package does not read are named in one
     warning (:func:`~moonvit.weights.config_keys.warn_unread_keys`); ``where`` names the file.
 
     Raises:
         ValueError: an architecture switch this package does not implement
-            (``pos_emb_type``, ``merge_type``, ``video_attn_type``, ``hidden_act``),
-            or values MoonViTConfig refuses.
+            (``pos_emb_type``, ``merge_type``, ``video_attn_type``, ``mlp_type``,
+            ``activation_func``, ``hidden_act``), or values MoonViTConfig refuses (an unknown
+            ``norm_type`` or ``pos_emb_interpolation_mode``, a bias switch that is not a bool).
     """
     vision = values.get("vision_config")
     if vision is not None and not isinstance(vision, dict):
@@ -120,10 +139,13 @@ def encoder_config_from_json(values: dict[str, Any], where: str | Path) -> tuple
         for key, supported in _K25_SWITCHES.items():
             if key in vision and vision[key] != supported:
                 raise ValueError(f"vision_config: {key} {vision[key]!r} is not supported (only {supported!r})")
-        warn_unread_keys(vision_where, vision, {*_K25_RELEASE_KEYS, *_K25_SWITCHES, *PROJECTOR_KEYS})
-        fields = _mapped(vision, _K25_RELEASE_KEYS)
+        warn_unread_keys(vision_where, vision, {*_K25_RELEASE_KEYS, *_K3_KEYS, *_K25_SWITCHES, *PROJECTOR_KEYS})
+        fields = {**_mapped(vision, _K25_RELEASE_KEYS), **_mapped(vision, _K3_KEYS)}
         fields.setdefault("init_pos_emb_time", 4)
-        return MoonViTConfig(**fields), "kimi-k25"
+        if fields.get("norm_type") == "rmsnorm":
+            fields.setdefault("layer_norm_eps", None)  # built with no eps: the dtype's, as K3 does
+        k3 = values.get("model_type") == "kimi_k3" or any(key in vision for key in _K3_KEYS)
+        return MoonViTConfig(**fields), "kimi-k3" if k3 else "kimi-k25"
     if vision.get("model_type") == "kimi_k25_vision" or values.get("model_type") == "kimi_k25":
         activation = vision.get("hidden_act", "gelu_pytorch_tanh")
         if activation != "gelu_pytorch_tanh":

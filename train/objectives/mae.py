@@ -33,7 +33,7 @@ from moonvit import MoonViT, MoonViTConfig, PackedGrid, build_packed_grid
 from moonvit.cli import fraction, positive_int
 from moonvit.files import save_safetensors_atomic
 from moonvit.model.attention import resolve_attn_implementation
-from moonvit.model.blocks import Block
+from moonvit.model.blocks import Block, make_norm
 
 from ..batch import Batch
 from ..plan import PlannedImage, TokenDrop
@@ -105,17 +105,22 @@ class MAEObjective(Objective):
             rope_theta=encoder_config.rope_theta,
             max_grid_side=encoder_config.max_grid_side,
             init_pos_emb_time=encoder_config.init_pos_emb_time,
+            # the encoder's family: its norm and bias switches (K3: RMSNorm, no biases)
             layer_norm_eps=encoder_config.layer_norm_eps,
+            norm_type=encoder_config.norm_type,
+            attn_bias=encoder_config.attn_bias,
+            linear_bias=encoder_config.linear_bias,
         )
         self.embed = nn.Linear(encoder_config.hidden_size, width)
         self.mask_token = nn.Parameter(torch.zeros(width))
-        self.blocks = nn.ModuleList(Block(width, heads, 4 * width, encoder_config.layer_norm_eps) for _ in range(depth))
-        self.norm = nn.LayerNorm(width, eps=encoder_config.layer_norm_eps)
+        self.blocks = nn.ModuleList(Block.from_config(self.decoder_config) for _ in range(depth))
+        self.norm = make_norm(width, encoder_config.norm_type, encoder_config.layer_norm_eps)
         self.predict = nn.Linear(width, encoder_config.num_channels * p * p)
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
-                nn.init.zeros_(module.bias)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
         nn.init.normal_(self.mask_token, std=0.02)
 
     # ---- command line -------------------------------------------------------------------------
