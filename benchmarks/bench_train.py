@@ -10,7 +10,9 @@ Sections, each measured within this one run:
    the same images padded to the longest, with a key-padding mask (uniform and mixed sizes);
 4. packing utilisation on the datasets' size distributions;
 5. MAE: the encoder's step (forward + backward) on the visible 25% of the same images against all
-   of them, and the whole MAE step (encoder + decoder + AdamW) against the supervised step.
+   of them, and the whole MAE step (encoder + decoder + AdamW) against the supervised step;
+6. gradient checkpointing (``--grad-checkpointing``): the peak memory a training step adds and its
+   time, with and without, on the same model and pack.
 
 Writes benchmarks/results/bench_train.txt.
 """
@@ -26,11 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import host_line, matmul_peak
+from common import host_line, matmul_peak, mib, peak_extra_bytes
 
 from eval.datasets import load_dataset
 from moonvit import MoonViT, MoonViTImageProcessor, pool_features, preset_config
-from moonvit.cli import add_threads_argument, apply_threads
+from moonvit.cli import add_threads_argument, apply_threads, output_file, positive_int
 from moonvit.model.rope import apply_rope
 from moonvit.perf import config_flops
 from train.augment import AugmentConfig
@@ -111,8 +113,15 @@ def packed_step(model: MoonViT, batch, dtype: torch.dtype) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_threads_argument(parser)
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per figure (median)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed steps per figure (median)")
+    parser.add_argument("--out", type=output_file, default=RESULTS, help=f"the results file (default: {RESULTS})")
+    parser.add_argument(
+        "--sections",
+        type=positive_int,
+        nargs="+",
+        default=[1, 2, 3, 4, 5, 6],
+        help="the sections to run (default: all six; see the module docstring)",
+    )
     args = parser.parse_args()
     threads = apply_threads(args.threads)
     torch.manual_seed(0)
@@ -129,79 +138,131 @@ def main() -> None:
 
     for line in lines:
         print(line)
-    emit("\n## 1. training throughput (render + forward + backward + fused AdamW)")
-    emit("| preset | patches/image | dtype | images/s | patches/s | MFU |")
-    emit("|---|---|---|---|---|---|")
-    for preset in ("tiny", "small"):
-        for side, patches in ((56, 16), (112, 64)):
-            for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-                model = MoonViT(preset_config(preset, drop_path_rate=0.05)).train()
-                run = step_timer(model, source, (side, side), TokenDrop(), dtype)
-                images, flops = measure(run, args.repeats)
-                mfu = flops / peaks[name]
-                emit(f"| {preset} | {patches} | {name} | {images:.0f} | {images * patches:.0f} | {mfu:.1%} |")
+    if 1 in args.sections:
+        emit("\n## 1. training throughput (render + forward + backward + fused AdamW)")
+        emit("| preset | patches/image | dtype | images/s | patches/s | MFU |")
+        emit("|---|---|---|---|---|---|")
+        for preset in ("tiny", "small"):
+            for side, patches in ((56, 16), (112, 64)):
+                for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+                    model = MoonViT(preset_config(preset, drop_path_rate=0.05)).train()
+                    run = step_timer(model, source, (side, side), TokenDrop(), dtype)
+                    images, flops = measure(run, args.repeats)
+                    mfu = flops / peaks[name]
+                    emit(f"| {preset} | {patches} | {name} | {images:.0f} | {images * patches:.0f} | {mfu:.1%} |")
 
-    emit("\n## 2. token dropping, same patch budget (small, 56-112 px, bf16)")
-    emit("| token drop | images/s | ratio |")
-    emit("|---|---|---|")
-    rates = {}
-    for rate in (0.0, 0.5):
+    if 2 in args.sections:
+        emit("\n## 2. token dropping, same patch budget (small, 56-112 px, bf16)")
+        emit("| token drop | images/s | ratio |")
+        emit("|---|---|---|")
+        rates = {}
+        for rate in (0.0, 0.5):
+            model = MoonViT(preset_config("small")).train()
+            run = step_timer(model, source, (56, 112), TokenDrop(rate, rate), torch.bfloat16)
+            rates[rate] = measure(run, args.repeats)[0]
+            emit(f"| {rate} | {rates[rate]:.0f} | {rates[rate] / rates[0.0]:.2f}x |")
+
+    if 3 in args.sections:
+        emit("\n## 3. packed step against a padded dense batch of the same images (forward + backward)")
+        emit("| images | dtype | padding | packed ms | dense ms | packed speed / dense |")
+        emit("|---|---|---|---|---|---|")
         model = MoonViT(preset_config("small")).train()
-        run = step_timer(model, source, (56, 112), TokenDrop(rate, rate), torch.bfloat16)
-        rates[rate] = measure(run, args.repeats)[0]
-        emit(f"| {rate} | {rates[rate]:.0f} | {rates[rate] / rates[0.0]:.2f}x |")
-
-    emit("\n## 3. packed step against a padded dense batch of the same images (forward + backward)")
-    emit("| images | dtype | padding | packed ms | dense ms | packed speed / dense |")
-    emit("|---|---|---|---|---|---|")
-    model = MoonViT(preset_config("small")).train()
-    for label, side in (("uniform 56 px", (56, 56)), ("mixed 56-112 px", (56, 112))):
-        stream = ImageStream(source.sizes(), Resolution(*side, max_patches=BUDGET), TokenDrop(), seed=1)
-        pack = Packer(stream, BUDGET, default_lookahead(BUDGET, 16)).next_pack(0.0)
-        batch = render_pack(pack, source, model.config, None)
-        padding = 1 - sum(batch.grid.seqlens) / (len(pack) * max(batch.grid.seqlens))
-        for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-            times = {}
-            for kind, step in (("packed", packed_step), ("dense", dense_step)):
-                step(model, batch, dtype)
-                samples = []
-                for _ in range(args.repeats):
-                    start = time.perf_counter()
+        for label, side in (("uniform 56 px", (56, 56)), ("mixed 56-112 px", (56, 112))):
+            stream = ImageStream(source.sizes(), Resolution(*side, max_patches=BUDGET), TokenDrop(), seed=1)
+            pack = Packer(stream, BUDGET, default_lookahead(BUDGET, 16)).next_pack(0.0)
+            batch = render_pack(pack, source, model.config, None)
+            padding = 1 - sum(batch.grid.seqlens) / (len(pack) * max(batch.grid.seqlens))
+            for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+                times = {}
+                for kind, step in (("packed", packed_step), ("dense", dense_step)):
                     step(model, batch, dtype)
-                    samples.append(time.perf_counter() - start)
-                    model.zero_grad(set_to_none=True)
-                times[kind] = statistics.median(samples)
-            speed = times["dense"] / times["packed"]
-            emit(
-                f"| {label} | {name} | {padding:.0%} | {times['packed'] * 1e3:.0f} | {times['dense'] * 1e3:.0f} | "
-                f"{speed:.2f}x |"
-            )
+                    samples = []
+                    for _ in range(args.repeats):
+                        start = time.perf_counter()
+                        step(model, batch, dtype)
+                        samples.append(time.perf_counter() - start)
+                        model.zero_grad(set_to_none=True)
+                    times[kind] = statistics.median(samples)
+                speed = times["dense"] / times["packed"]
+                emit(
+                    f"| {label} | {name} | {padding:.0%} | {times['packed'] * 1e3:.0f} | {times['dense'] * 1e3:.0f} | "
+                    f"{speed:.2f}x |"
+                )
 
-    emit("\n## 4. packing utilisation (kept patches / budget, 200 packs)")
-    emit("| dataset | resolution | token drop | utilisation |")
-    emit("|---|---|---|---|")
-    digits = ImageSource(load_dataset("digits").train, MoonViTImageProcessor())
-    aspect = np.random.default_rng(0).uniform(0.5, 2.0, 5000)
-    folder_like = np.stack([np.full(5000, 300), (300 * aspect).astype(np.int64)], 1)
-    for label, sizes, side in (
-        ("fashion-mnist", source.sizes(), (56, 112)),
-        ("digits", digits.sizes(), (28, 56)),
-        ("folder-like, aspect 1:2-2:1", folder_like, (112, 336)),
-    ):
-        for drop in (TokenDrop(), TokenDrop(0.5, 0.5), TokenDrop(0.6, 0.2)):
-            stream = ImageStream(sizes, Resolution(*side, max_patches=BUDGET), drop, seed=0)
-            packer = Packer(stream, BUDGET, default_lookahead(BUDGET, 40))
-            used = [sum(i.kept for i in packer.next_pack(k / 200)) for k in range(200)]
-            emit(f"| {label} | {side[0]}-{side[1]} px | {drop} | {np.mean(used) / BUDGET:.2%} |")
+    if 4 in args.sections:
+        emit("\n## 4. packing utilisation (kept patches / budget, 200 packs)")
+        emit("| dataset | resolution | token drop | utilisation |")
+        emit("|---|---|---|---|")
+        digits = ImageSource(load_dataset("digits").train, MoonViTImageProcessor())
+        aspect = np.random.default_rng(0).uniform(0.5, 2.0, 5000)
+        folder_like = np.stack([np.full(5000, 300), (300 * aspect).astype(np.int64)], 1)
+        for label, sizes, side in (
+            ("fashion-mnist", source.sizes(), (56, 112)),
+            ("digits", digits.sizes(), (28, 56)),
+            ("folder-like, aspect 1:2-2:1", folder_like, (112, 336)),
+        ):
+            for drop in (TokenDrop(), TokenDrop(0.5, 0.5), TokenDrop(0.6, 0.2)):
+                stream = ImageStream(sizes, Resolution(*side, max_patches=BUDGET), drop, seed=0)
+                packer = Packer(stream, BUDGET, default_lookahead(BUDGET, 40))
+                used = [sum(i.kept for i in packer.next_pack(k / 200)) for k in range(200)]
+                emit(f"| {label} | {side[0]}-{side[1]} px | {drop} | {np.mean(used) / BUDGET:.2%} |")
 
-    emit("\n## 5. MAE at 75% masking (small, 112 px = 64 patches per image, bf16): the same images")
-    emit("| step | images | ms | speed-up |")
-    emit("|---|---|---|---|")
-    for row in mae_rows(source, args.repeats):
-        emit(row)
+    if 5 in args.sections:
+        emit("\n## 5. MAE at 75% masking (small, 112 px = 64 patches per image, bf16): the same images")
+        emit("| step | images | ms | speed-up |")
+        emit("|---|---|---|---|")
+        for row in mae_rows(source, args.repeats):
+            emit(row)
+
+    if 6 in args.sections:
+        emit("\n## 6. gradient checkpointing: a training step's peak memory and time, with and without")
+        emit("| model | images x patches | dtype | peak MiB without | peak MiB with | saved | time with / without |")
+        emit("|---|---|---|---|---|---|---|")
+        for row in checkpointing_rows(source, args.repeats):
+            emit(row)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
+
+
+def checkpointing_rows(source: ImageSource, repeats: int) -> list[str]:
+    """The extra resident memory at the peak of one forward + backward (Linux), and its median time,
+    without and with gradient checkpointing, on one pack of 112 px images (64 patches each)."""
+    rows = []
+    for label, config in (
+        ("small (6 x 384)", preset_config("small")),
+        ("so400m width, 6 blocks", preset_config("so400m", num_hidden_layers=6)),
+    ):
+        torch.manual_seed(0)
+        model = MoonViT(config).train()
+        items = [PlannedImage(i, 8, 8, 64, 2000 + i) for i in range(BUDGET // 64)]
+        batch = render_pack(items, source, model.config, None)
+        dtype = torch.bfloat16
+        figures = {}
+        for enabled in (False, True):
+            if enabled:
+                model.gradient_checkpointing_enable()
+            else:
+                model.gradient_checkpointing_disable()
+
+            def step() -> None:
+                packed_step(model, batch, dtype)
+                model.zero_grad(set_to_none=True)
+
+            step()
+            peak = peak_extra_bytes(step)
+            samples = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                step()
+                samples.append(time.perf_counter() - start)
+            figures[enabled] = (peak, statistics.median(samples))
+        (without, t0), (with_, t1) = figures[False], figures[True]
+        saved = "n/a" if without is None or with_ is None else f"{1 - with_ / without:.0%}"
+        rows.append(
+            f"| {label} | {len(items)} x 64 | bf16 | {mib(without)} | {mib(with_)} | {saved} | {t1 / t0:.2f}x |"
+        )
+    return rows
 
 
 def mae_rows(source: ImageSource, repeats: int) -> list[str]:

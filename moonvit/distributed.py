@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Ranks", "close_ranks", "init_ranks"]
+__all__ = ["Ranks", "close_ranks", "init_ranks", "process_group_backend"]
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,16 @@ class Ranks:
             dist.barrier()
 
 
+def process_group_backend(device: torch.device) -> str:
+    """The process group's backend for a job on ``device``: gloo on CPU; on CUDA, NCCL for CUDA
+    tensors and gloo for CPU ones (``"cpu:gloo,cuda:nccl"``), so that small statistics reduced on
+    the host (loss sums, timings, object gathers) and gradients on the GPU each take a backend
+    that accepts them: NCCL alone refuses CPU tensors."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
 def init_ranks(device: str) -> tuple[Ranks, torch.device]:
-    """Join torchrun's process group (NCCL for CUDA, gloo otherwise) and pick this rank's device."""
+    """Join torchrun's process group (:func:`process_group_backend`) and pick this rank's device."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return Ranks(), torch.device(device)
     ranks = Ranks(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
@@ -74,7 +82,7 @@ def init_ranks(device: str) -> tuple[Ranks, torch.device]:
     if target.type == "cuda":
         target = torch.device("cuda", ranks.local_rank)
         torch.cuda.set_device(target)
-    dist.init_process_group(backend="nccl" if target.type == "cuda" else "gloo")
+    dist.init_process_group(backend=process_group_backend(target))
     return ranks, target
 
 

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from moonvit.devices import check_device
 from moonvit.files import save_safetensors_atomic, write_text_atomic
+from moonvit.model.blocks import RMSNorm
 from moonvit.model.config import DictConfig, MoonViTConfig, merge_kernel
 from moonvit.weights.checkpoint import assign_from_files, checkpoint_folder, config_from_file, summarise_names
 from moonvit.weights.hub import HubSnapshot
@@ -140,7 +141,7 @@ class MoonViTProjector(nn.Module):
         self.pre_norm = nn.LayerNorm(config.vision_hidden_size, eps=config.layer_norm_eps) if kimi else None
         self.linear_1 = nn.Linear(config.merged_hidden_size, config.intermediate_size, bias=config.bias)
         self.linear_2 = nn.Linear(config.intermediate_size, config.text_hidden_size, bias=config.bias)
-        self.post_norm = nn.RMSNorm(config.text_hidden_size, eps=config.layer_norm_eps) if v2 else None
+        self.post_norm = RMSNorm(config.text_hidden_size, eps=config.layer_norm_eps) if v2 else None
 
     @classmethod
     def from_pretrained(

@@ -68,3 +68,31 @@ def test_memory_grows_linearly_with_the_patches():
         torch.cuda.synchronize()
         peaks[count] = (torch.cuda.max_memory_allocated() - base) / (count * 256)
     assert max(peaks.values()) <= 2 * peaks[8], peaks  # bytes per patch do not grow with the pack
+
+
+# ---- the trainer on a GPU ------------------------------------------------------------------------------
+
+TRAIN = ["--objective", "supervised", "--preset", "tiny", "--dataset", "digits", "--resolution", "28", "--no-progress"]
+TRAIN += ["--batch-patches", "1024", "--evals", "1", "--device", "cuda", "--peak-tflops", "100"]
+
+
+def test_the_trainer_steps_evaluates_and_exports_on_cuda(tmp_path):
+    from train.loop import main
+
+    results = main([*TRAIN, "--steps", "4", "--out", str(tmp_path)])
+    assert results["steps"] == 4 and results["test"]["top1"] >= 0.0
+    assert (tmp_path / "checkpoint" / "model.safetensors").is_file()
+
+
+def test_torchrun_on_cuda_reduces_host_statistics_through_the_mixed_group(tmp_path):
+    """One rank under torchrun on a GPU joins the "cpu:gloo,cuda:nccl" group: the CPU statistics the
+    engine reduces (step sums, evaluation, calibration) take gloo, gradients NCCL; with NCCL alone
+    the first step's all_reduce of a CPU tensor fails."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "train", *TRAIN]
+    command += ["--minutes", "0.05", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -15,6 +15,7 @@ from test_train import REPO, free_port, kill_after_steps, train
 
 from eval.datasets import Split
 from moonvit import MoonViT, MoonViTImageProcessor, build_packed_grid, preset_config
+from moonvit.model.attention import bind_attention
 from train.batch import ImageSource, render_pack
 from train.objectives.mae import MAEObjective, patch_targets, sincos_2d
 from train.plan import PlannedImage, TokenDrop
@@ -64,7 +65,7 @@ def reference_loss(objective, encoder, batch, index):
     x = x + sincos_2d(positions, x.shape[1])
     decoder_grid = build_packed_grid([[r, c]], objective.decoder_config)
     for block in objective.blocks:
-        x = block(x, decoder_grid, "eager")
+        x = block(x, decoder_grid.rope_rotation, bind_attention("eager", decoder_grid), decoder_grid)
     prediction = objective.predict(objective.norm(x))
     masked = torch.ones(r * c, dtype=torch.bool)
     masked[keep] = False

@@ -30,7 +30,8 @@ __all__ = [
     "state_path",
 ]
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2
+"""2: the optimizer's state keyed by parameter name (any world size resumes it); the calibration kept."""
 
 
 class RunMismatch(ValueError):

@@ -1,4 +1,8 @@
-"""The trainer's command line: every flag, its checks, ``--smoke``, and which flags define the run.
+"""The trainer's command line and the typed :class:`TrainConfig` it becomes.
+
+Every flag goes through the package's vocabulary (:mod:`moonvit.cli`), so bad values end at parse
+time. ``--smoke`` fills in its settings, and the objective its defaults (``--betas``,
+``--drop-path``: MAE pretrains with (0.9, 0.95) and no stochastic depth) and its own options.
 
 Flags that change what is trained (data, model, recipe, length, seed) are *run-defining*: rerunning
 into an ``--out`` that holds a run started with other values is refused, naming the flag. The
@@ -9,6 +13,8 @@ its resumption.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +40,85 @@ from moonvit.cli import (
 from .objectives import OBJECTIVES
 from .plan import TokenDrop
 
-__all__ = ["NOT_RUN_DEFINING", "SMOKE", "build_parser", "parse_args", "run_defining"]
+__all__ = ["NOT_RUN_DEFINING", "SMOKE", "TrainConfig", "build_parser", "parse_args", "run_defining"]
 
-NOT_RUN_DEFINING = frozenset({"out", "threads", "device", "save_every", "evals", "progress", "peak_tflops", "data_dir"})
+NOT_RUN_DEFINING = frozenset(
+    {"out", "threads", "device", "save_every", "evals", "progress", "peak_tflops", "data_dir", "objective_options"}
+)
 """Arguments that may differ between a run and its resumption (they do not change the weights)."""
 
 SMOKE = {"steps": 30, "eval_limit": 256, "evals": 2}
 """What ``--smoke`` sets: 30 steps (unless a length is given) and evaluations on at most 256 images."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run, as the command line describes it (typed; see ``python -m train --help``).
+
+    ``steps`` / ``epochs`` / ``minutes``: exactly one is set (the run's length).
+    ``resolution``: (min, max) short side in px; ``eval_limit``: at most this many validation and
+    test images (``--smoke``). ``objective_options``: the objective's own options, its
+    :attr:`~train.objectives.Objective.Options` dataclass.
+    """
+
+    objective: str
+    out: Path
+    dataset: str
+    steps: int | None = None
+    epochs: float | None = None
+    minutes: float | None = None
+    seed: int = 0
+    smoke: bool = False
+    # model
+    preset: str | None = None
+    checkpoint: str | None = None
+    depth: int | None = None
+    width: int | None = None
+    heads: int | None = None
+    mlp_width: int | None = None
+    pos_emb_size: int | None = None
+    drop_path: float = 0.05
+    grad_checkpointing: bool = False
+    # data
+    data_dir: Path | None = None
+    skip_bad_images: bool = False
+    probe_dataset: str | None = None
+    val_fraction: float = 0.1
+    resolution: tuple[int, int] = (56, 112)
+    eval_resolution: int = 112
+    batch_patches: int = 4096
+    packs_per_step: int | None = None
+    token_drop: TokenDrop = dataclasses.field(default_factory=TokenDrop)
+    eval_limit: int | None = None
+    # augmentation
+    randaugment: tuple[float, float] = (2.0, 9.0)
+    hflip: float = 0.5
+    crop_scale: float = 1.0
+    mixup: float = 0.0
+    cutmix: float = 0.0
+    mix_prob: float = 1.0
+    # optimisation
+    lr: float = 2e-3
+    head_lr: float | None = None
+    min_lr_ratio: float = 0.01
+    warmup: float = 0.05
+    weight_decay: float = 0.05
+    betas: tuple[float, float] = (0.9, 0.999)
+    layer_decay: float = 1.0
+    clip_grad: float = 1.0
+    dtype: str = "bf16"
+    fsdp: bool = False
+    # runtime
+    device: str = "cpu"
+    threads: int | None = None
+    save_every: int = 200
+    evals: int = 10
+    progress: bool = True
+    peak_tflops: float | None = None
+    objective_options: Any = None
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
 
 
 def token_drop(text: str) -> TokenDrop:
@@ -94,13 +172,28 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--drop-path",
         type=drop_rate,
-        default=0.05,
-        help="stochastic depth at the last block, drawn per image, growing linearly from 0 (default: 0.05)",
+        help="stochastic depth at the last block, drawn per image, growing linearly from 0 "
+        "(default: the objective's: 0.05 supervised, 0 MAE)",
     )
-    model.add_argument("--grad-checkpointing", action="store_true", help="recompute blocks in backward (less memory)")
+    model.add_argument(
+        "--grad-checkpointing",
+        action="store_true",
+        help="recompute each block's activations in backward instead of keeping them (less memory, about a "
+        "third more compute; see benchmarks/bench_train.py)",
+    )
 
     data = parser.add_argument_group("data")
-    data.add_argument("--dataset", required=True, help="fashion-mnist, digits or imagefolder:DIR (its train split)")
+    data.add_argument(
+        "--dataset",
+        required=True,
+        help="fashion-mnist, digits, imagefolder:DIR (labelled: one folder per class; its train split) or "
+        "images:DIR (every image below DIR, no labels: self-supervised objectives)",
+    )
+    data.add_argument(
+        "--probe-dataset",
+        help="after training, linear-probe the encoder on this labelled dataset (a --dataset spec; default: the "
+        "training data's own test split where it is labelled, else none)",
+    )
     data.add_argument(
         "--data-dir", type=existing_folder, help=f"Fashion-MNIST IDX folder (default: {DEFAULT_FASHION_MNIST_DIR})"
     )
@@ -183,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     optim.add_argument("--weight-decay", type=non_negative_float, default=0.05, help="AdamW decay (default: 0.05)")
     optim.add_argument(
+        "--betas",
+        type=drop_rate,
+        nargs=2,
+        metavar=("BETA1", "BETA2"),
+        help="AdamW betas (default: the objective's: 0.9 0.999 supervised, 0.9 0.95 MAE)",
+    )
+    optim.add_argument(
         "--layer-decay",
         type=probability,
         default=1.0,
@@ -216,15 +316,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse and check the command line; ``--smoke`` fills in its settings. Errors exit with status 2."""
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """Parse and check the command line into a :class:`TrainConfig`; ``--smoke`` fills in its settings and
+    the objective its defaults. Errors exit with status 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if len(args.resolution) > 2:
         parser.error(f"--resolution takes MIN [MAX], got {len(args.resolution)} values")
-    args.resolution = sorted(args.resolution) * (2 if len(args.resolution) == 1 else 1)
-    if args.eval_resolution is None:
-        args.eval_resolution = args.resolution[1]
+    low, high = sorted(args.resolution) * (2 if len(args.resolution) == 1 else 1)
     if args.checkpoint is not None and any(
         getattr(args, name) is not None for name in ("depth", "width", "heads", "mlp_width", "pos_emb_size")
     ):
@@ -236,22 +335,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(
             f"--randaugment takes a whole number of operations and a magnitude 0-10, got {ops:g} {magnitude:g}"
         )
-    args.eval_limit = None
+    steps, eval_limit, evals = args.steps, None, args.evals
     if args.smoke:
-        args.eval_limit = SMOKE["eval_limit"]
-        args.evals = min(args.evals, SMOKE["evals"])
+        eval_limit, evals = SMOKE["eval_limit"], min(args.evals, SMOKE["evals"])
         if args.steps is None and args.epochs is None and args.minutes is None:
-            args.steps = SMOKE["steps"]
-    if args.steps is None and args.epochs is None and args.minutes is None:
+            steps = SMOKE["steps"]
+    if steps is None and args.epochs is None and args.minutes is None:
         parser.error("give the run's length: --steps, --epochs or --minutes (or --smoke)")
-    OBJECTIVES[args.objective].check_args(args, parser.error)
-    return args
+    objective = OBJECTIVES[args.objective]
+    engine = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {name: value for name, value in vars(args).items() if name in engine}
+    config = TrainConfig(
+        **{
+            **values,
+            "steps": steps,
+            "evals": evals,
+            "eval_limit": eval_limit,
+            "resolution": (low, high),
+            "eval_resolution": args.eval_resolution or high,
+            "randaugment": (float(ops), float(magnitude)),
+            "drop_path": objective.default_drop_path if args.drop_path is None else args.drop_path,
+            "betas": objective.default_betas if args.betas is None else tuple(args.betas),
+            "objective_options": objective.options_from(args),
+        }
+    )
+    return objective.check_config(config, parser.error)
 
 
-def run_defining(args: argparse.Namespace) -> dict[str, Any]:
-    """The arguments that define the run, by flag, as plain values (the resume check compares these)."""
-    values = {}
-    for name, value in vars(args).items():
+def run_defining(config: TrainConfig) -> dict[str, Any]:
+    """The settings that define the run, by flag, as plain values (the resume check compares these)."""
+    values: dict[str, Any] = {}
+    options = config.objective_options
+    pairs = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
+    if dataclasses.is_dataclass(options):
+        pairs += [(f.name, getattr(options, f.name)) for f in dataclasses.fields(options)]
+    for name, value in pairs:
         if name in NOT_RUN_DEFINING:
             continue
         values[f"--{name.replace('_', '-')}"] = str(value) if isinstance(value, (Path, TokenDrop)) else value

@@ -1,5 +1,6 @@
 """The run's images: the dataset's train split cut into a training part and a validation part, and
-its test split, each as an :class:`~train.batch.ImageSource`.
+its test split, each as an :class:`~train.batch.ImageSource`; or, for a self-supervised objective,
+a folder of unlabelled images (``images:DIR``) cut into a training and a validation part.
 
 Validation (a seeded stratified share of train) is what any choice during training may look at;
 the test split is scored once, after training.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
@@ -16,11 +18,12 @@ from tqdm import tqdm
 from eval.datasets import DatasetError, Split, load_dataset
 from eval.probe import check_probe_labels
 from eval.splits import stratified_split
-from moonvit import ImageLoadError, MoonViTImageProcessor, image_size
+from moonvit import IMAGE_EXTENSIONS, ImageLoadError, MoonViTImageProcessor, image_size
+from moonvit.files import files_below, folder_problem
 
 from .batch import ImageSource
 
-__all__ = ["DataError", "SkippedImage", "TrainingData", "load_training_data", "readable_images"]
+__all__ = ["UNLABELLED_PREFIX", "DataError", "SkippedImage", "TrainingData", "load_training_data", "readable_images"]
 
 
 class DataError(ValueError):
@@ -41,7 +44,8 @@ class TrainingData:
     """Attributes:
     name: the ``--dataset`` spec.
     classes: class names, indexed by label.
-    train, val, test: the training part of train, the validation part, the test split.
+    train, val, test: the training part of train, the validation part, the test split (None for
+        ``images:DIR``, which has none).
     fingerprint: sha256 of the train split's contents (resuming on other data is refused).
     warnings: what a user should hear of the data (class folders with no image, classes with one
         training image); printed once and recorded in ``results.json``.
@@ -52,7 +56,7 @@ class TrainingData:
     classes: tuple[str, ...]
     train: ImageSource
     val: ImageSource
-    test: ImageSource
+    test: ImageSource | None
     fingerprint: str
     warnings: tuple[str, ...] = ()
     skipped: tuple[SkippedImage, ...] = ()
@@ -114,42 +118,82 @@ def load_training_data(
     eval_limit: int | None = None,
     skip_bad: bool = False,
     progress: bool = False,
+    labelled: bool = True,
 ) -> TrainingData:
     """Load ``spec``'s splits and check that they can be trained on.
 
     Args:
+        spec: a labelled dataset (``fashion-mnist``, ``digits``, ``imagefolder:DIR``) or
+            ``images:DIR``, every image below DIR with no labels (no test split).
         eval_limit: evaluate on at most this many validation and test images (``--smoke``).
         skip_bad: decode every image once and leave out those that fail (see :func:`readable_images`).
         progress: a progress bar over the image files.
+        labelled: whether the objective learns from labels (two classes at least); a self-supervised
+            one takes any data, labels or not.
 
     Raises:
-        DataError: a bad spec or missing files, no training images, fewer than two classes, an
-            unreadable image (without ``skip_bad``).
+        DataError: a bad spec or missing files, no training images, fewer than two classes (for a
+            labelled objective), an unreadable image (without ``skip_bad``).
     """
-    try:
-        dataset = load_dataset(spec, data_dir, seed=seed)
-    except DatasetError as error:
-        raise DataError(str(error)) from error
-    fingerprint = dataset.train.fingerprint()
-    train, train_sizes, skipped = readable_images(dataset.train, "train", processor, skip_bad, progress)
-    test, test_sizes, skipped_test = readable_images(dataset.test, "test", processor, skip_bad, progress)
+    if spec.startswith(UNLABELLED_PREFIX):
+        if labelled:
+            raise DataError(
+                f"{spec} has no labels, and this objective learns from them: give a labelled dataset "
+                "(imagefolder:DIR, one folder per class), or train a self-supervised objective (--objective mae)"
+            )
+        train_split = _unlabelled(Path(spec.removeprefix(UNLABELLED_PREFIX)))
+        test_split: Split | None = None
+        classes: tuple[str, ...] = ()
+        notes: tuple[str, ...] = ()
+    else:
+        try:
+            dataset = load_dataset(spec, data_dir, seed=seed)
+        except DatasetError as error:
+            raise DataError(str(error)) from error
+        train_split, test_split, classes, notes = dataset.train, dataset.test, dataset.classes, dataset.notes
+    fingerprint = train_split.fingerprint()
+    train, train_sizes, skipped = readable_images(train_split, "train", processor, skip_bad, progress)
     labels = np.asarray(train.labels)
-    if len(labels) == 0:
-        raise DataError(f"{spec} has no training images")
-    try:
-        label_warnings = check_probe_labels(
-            labels, None, dataset.classes, val_fraction, seed, held_out="validation", user="a classifier"
-        )
-    except ValueError as error:
-        raise DataError(f"{spec}: {error}") from error
+    if len(labels) < 2:
+        raise DataError(f"{spec} has {len(labels)} training images; training needs at least 2")
+    label_warnings: list[str] = []
+    if labelled:
+        try:
+            label_warnings = check_probe_labels(
+                labels, None, classes, val_fraction, seed, held_out="validation", user="a classifier"
+            )
+        except ValueError as error:
+            raise DataError(f"{spec}: {error}") from error
     train_rows, val_rows = stratified_split(labels, val_fraction, seed)
+    if len(train_rows) == 0 or len(val_rows) == 0:
+        raise DataError(f"{spec} has too few training images ({len(labels)}) to hold out a validation part")
+    test = None
+    if test_split is not None:
+        readable, test_sizes, skipped_test = readable_images(test_split, "test", processor, skip_bad, progress)
+        skipped += skipped_test
+        test = ImageSource(readable, processor, _evenly(np.arange(len(readable)), eval_limit), test_sizes)
     return TrainingData(
         spec,
-        dataset.classes,
+        tuple(classes),
         ImageSource(train, processor, train_rows, train_sizes),
         ImageSource(train, processor, _evenly(val_rows, eval_limit), train_sizes),
-        ImageSource(test, processor, _evenly(np.arange(len(test)), eval_limit), test_sizes),
+        test,
         fingerprint,
-        (*dataset.notes, *label_warnings),
-        (*skipped, *skipped_test),
+        (*notes, *label_warnings),
+        tuple(skipped),
     )
+
+
+UNLABELLED_PREFIX = "images:"
+"""``--dataset images:DIR``: every image below DIR, recursively, with no labels."""
+
+
+def _unlabelled(folder: Path) -> Split:
+    """Every image file below ``folder`` as a split of one (meaningless) label."""
+    problem = folder_problem(folder)
+    if problem is not None:
+        raise DataError(f"image folder {folder} {problem}")
+    files, _ = files_below(folder, IMAGE_EXTENSIONS)
+    if not files:
+        raise DataError(f"{folder} holds no images ({' '.join(sorted(IMAGE_EXTENSIONS))}), at any depth")
+    return Split(files, np.zeros(len(files), dtype=np.int64))

@@ -91,16 +91,17 @@ class Parallel:
         else:
             self.module.load_state_dict(state)
 
+    # The optimizer's state goes through the distributed state-dict API in every case, keyed by
+    # parameter name (not by index, as optimizer.state_dict() keys it): a run saved by one process
+    # resumes under FSDP2 on several ranks, and the reverse.
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        if self.fsdp:
-            return get_optimizer_state_dict(self.module, optimizer, options=self._OPTIONS)
-        return optimizer.state_dict()
+        return get_optimizer_state_dict(self.module, optimizer, options=self._OPTIONS)
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        if self.fsdp:
-            set_optimizer_state_dict(self.module, optimizer, state, options=StateDictOptions(full_state_dict=True))
-        else:
-            optimizer.load_state_dict(state)
+        # Unsharded, the full state is this process's own (the full-state path needs existing
+        # optimizer state to find its device, which a fresh optimizer lacks).
+        options = StateDictOptions(full_state_dict=self.fsdp)
+        set_optimizer_state_dict(self.module, optimizer, state, options=options)
 
 
 class _FsdpNoSync(AbstractContextManager):

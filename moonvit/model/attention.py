@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("moonvit")
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "PackedGrid"], torch.Tensor]
+BoundAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``attend(q, k, v)``: a backend bound to one pack (:func:`bind_attention`), what a block calls."""
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
 _FLASH_ATTN_INSTALLED = importlib.util.find_spec("flash_attn") is not None
 _logged_fallbacks: set[str] = set()
@@ -169,6 +171,16 @@ def attention_names() -> tuple[str, ...]:
 def get_attention(name: str) -> AttentionFn:
     """The function of a registered backend (not ``auto``: resolve it first)."""
     return _BACKENDS[name].fn
+
+
+def bind_attention(name: str, grid: PackedGrid) -> BoundAttention:
+    """The registered backend ``name`` (not ``auto``: resolve it first) bound to ``grid``'s pack."""
+    fn = _BACKENDS[name].fn
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return fn(q, k, v, grid)
+
+    return attend
 
 
 def check_attn_name(name: str) -> None:

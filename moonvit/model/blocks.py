@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .attention import get_attention
+from .attention import BoundAttention
 from .chunking import map_row_chunks
 from .config import MoonViTConfig
 from .grid import PackedGrid
@@ -22,11 +22,22 @@ from .rope import apply_rope
 MLP_CHUNK_BYTES = 16 * 2**20
 
 
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` that also takes inputs of another dtype than its weight (bf16 activations under
+    autocast, fp32 master weights in training): computed in the weight's dtype and cast back, where
+    torch's kernel would warn and take a slow path. Same dtypes: torch's own call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype:
+            return super().forward(x.to(self.weight.dtype)).to(x.dtype)
+        return super().forward(x)
+
+
 def make_norm(dim: int, norm_type: str = "layernorm", eps: float | None = 1e-5) -> nn.Module:
     """The tower's norm: ``LayerNorm(dim, eps)``, or ``RMSNorm(dim, eps)`` (weight only; eps None takes the
     epsilon of the dtype it computes in, torch's default, as Kimi K3 builds it)."""
     if norm_type == "rmsnorm":
-        return nn.RMSNorm(dim, eps=eps)
+        return RMSNorm(dim, eps=eps)
     if norm_type == "layernorm" and eps is not None:
         return nn.LayerNorm(dim, eps=eps)
     raise ValueError(f"norm_type {norm_type!r} with eps {eps!r} is not a norm of the tower (layernorm, rmsnorm)")
@@ -115,18 +126,35 @@ class Block(nn.Module):
         )
 
     def attention(
-        self, x: torch.Tensor, grid: PackedGrid, attn_implementation: str, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        rotation: torch.Tensor,
+        attend: BoundAttention,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Multi-head self-attention within each image of the pack, (L, D) -> (L, D) (+ ``residual``)."""
         # wqkv's output (L, 3A) is laid out [q | k | v], each (heads, A / heads); q and k are rotated in one pass.
         qkv = linear(self.wqkv, x).unflatten(-1, (3, self.num_heads, -1))
-        qk = apply_rope(qkv[:, :2], grid.rope_rotation)
-        out = get_attention(attn_implementation)(qk[:, 0], qk[:, 1], qkv[:, 2], grid)
-        return linear(self.wo, out.flatten(1), residual=residual)
+        qk = apply_rope(qkv[:, :2], rotation)
+        return linear(self.wo, attend(qk[:, 0], qk[:, 1], qkv[:, 2]).flatten(1), residual=residual)
 
-    def forward(self, x: torch.Tensor, grid: PackedGrid, attn_implementation: str) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rotation: torch.Tensor, attend: BoundAttention, grid: PackedGrid | None = None
+    ) -> torch.Tensor:
+        """One block over a pack's packed rows.
+
+        Args:
+            x: (L, D) rows.
+            rotation: (L, head_dim // 2, 2) RoPE (cos, sin) of each row (``grid.rope_rotation``).
+            attend: ``attend(q, k, v)`` on (L, heads, head_dim), attention within each item, bound
+                to the pack (:func:`~moonvit.model.attention.bind_attention`; the ONNX graph binds
+                its padded attention): the encoder, the trainer and the export run this one module.
+            grid: the pack, for per-image stochastic depth in training (unused otherwise).
+        """
         if self.training and self.drop_path > 0:
-            x = x + drop_path_per_item(self.attention(self.norm0(x), grid, attn_implementation), grid, self.drop_path)
+            if grid is None:
+                raise ValueError("stochastic depth draws per image: pass the pack's grid")
+            x = x + drop_path_per_item(self.attention(self.norm0(x), rotation, attend), grid, self.drop_path)
             return x + drop_path_per_item(self.mlp(self.norm1(x)), grid, self.drop_path)
-        x = self.attention(self.norm0(x), grid, attn_implementation, residual=x)
+        x = self.attention(self.norm0(x), rotation, attend, residual=x)
         return self.mlp(self.norm1(x), residual=x)

@@ -22,9 +22,11 @@ def map_row_chunks(
 
     On CPU, computed over chunks of rows, so that a chunk's temporaries of
     ``row_bytes`` per row take at most ``budget`` bytes; the results are
-    concatenated. Elsewhere, one call.
+    concatenated. Elsewhere, and under ``torch.compile`` or ONNX export (whose graphs take any
+    number of rows), one call.
     """
     rows = max(1, budget // max(1, row_bytes))
-    if tensors[0].device.type != "cpu" or len(tensors[0]) <= rows:
+    traced = torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export()  # no data-dependent split there
+    if traced or tensors[0].device.type != "cpu" or len(tensors[0]) <= rows:
         return fn(*tensors)
     return torch.cat([fn(*chunks) for chunks in zip(*(t.split(rows) for t in tensors))])

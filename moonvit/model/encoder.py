@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .attention import check_attn_implementation, resolve_attn_implementation
+from .attention import bind_attention, check_attn_implementation, resolve_attn_implementation
 from .blocks import Block, make_norm
 from .config import MoonViTConfig, preset_config
 from .grid import GridCache, GridInput, PackedGrid, build_packed_grid, check_pixel_shape
@@ -105,11 +105,12 @@ class Encoder(nn.Module):
         """Run the blocks; returns the normed output and the hidden states whose indices
         (0 = embeddings, i = block i's output) are in ``keep_hidden``."""
         hidden = {0: x} if 0 in keep_hidden else {}
+        attend = bind_attention(attn_implementation, grid)
         for i, block in enumerate(self.blocks, start=1):
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, grid, attn_implementation, use_reentrant=False)
+                x = checkpoint(block, x, grid.rope_rotation, attend, grid, use_reentrant=False)
             else:
-                x = block(x, grid, attn_implementation)
+                x = block(x, grid.rope_rotation, attend, grid)
             if i in keep_hidden:
                 hidden[i] = x
         return self.final_layernorm(x), hidden

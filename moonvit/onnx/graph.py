@@ -1,12 +1,15 @@
 """The encoder's forward as the ONNX graph computes it: the model's own modules and
 parameters, with the pack's layout taken as tensors (:mod:`moonvit.onnx.inputs`).
 
-Three parts differ in form, not in arithmetic, from the eager model, so that one
-graph with symbolic sizes serves every pack:
+The blocks are the model's own ``Block`` modules, called as the encoder calls them; under
+export they take the plain layers, the real RoPE rotation and one MLP call. Three parts
+differ in form, not in arithmetic, from the eager model, so that one graph with symbolic
+sizes serves every pack:
 
-- the position table is resampled by 16 weighted row gathers (what the model's
-  ``embedding_bag`` does), each over the (U, D) rows, never a (U, 16, D) copy;
-- attention runs over the items as one batch padded to the longest item, with
+- the position table is resampled by K weighted row gathers (16 bicubic, 4 bilinear: what
+  the model's ``embedding_bag`` does), each over the (U, D) rows, never a (U, K, D) copy;
+- attention (the function the blocks are given) runs over the items as one batch padded to
+  the longest item, with
   padded keys masked out: no pack-wide (L, L) mask, and memory of
   ``items * heads * longest**2`` scores per block;
 - the 2x2 merger (and a clip's mean over its frames) is a weighted gather.
@@ -18,15 +21,12 @@ the model's to the bit.
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..model.blocks import Block
 from ..model.encoder import MoonViT, temporal_table
-from ..model.rope import rope_frequencies, rotate_real
+from ..model.rope import rope_frequencies
 
 
 class OnnxEncoder(nn.Module):
@@ -72,13 +72,14 @@ class OnnxEncoder(nn.Module):
         """
         x = self.embed(pixel_values, pos_emb_index, pos_emb_weight, pos_emb_row, time_index)
         rotation = self.rope_rotation(positions)
-        for module in self.encoder.encoder.blocks:
-            block = cast(Block, module)
-            q, k, v = block.wqkv(block.norm0(x)).unflatten(-1, (3, block.num_heads, -1)).unbind(1)
-            q, k = rotate_real(q, rotation), rotate_real(k, rotation)
-            x = x + block.wo(padded_attention(q, k, v, attention_rows, attention_slots).flatten(1))
-            # The MLP without the eager model's row chunking, a CPU allocator device of PyTorch's.
-            x = x + block.mlp._mlp(block.norm1(x))
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return padded_attention(q, k, v, attention_rows, attention_slots)
+
+        # The model's own blocks: under export they take the plain layers, the real RoPE rotation
+        # and one MLP call (no row chunks), and this padded attention in place of the backend's.
+        for block in self.encoder.encoder.blocks:
+            x = block(x, rotation, attend)
         x = self.encoder.encoder.final_layernorm(x)
         merged = merge(x, merge_index, merge_weight)
         if self.projector is None:

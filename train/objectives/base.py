@@ -13,11 +13,12 @@ communicating, so the loss normalisation is exact whatever the ranks' token coun
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import torch
 import torch.nn as nn
@@ -27,7 +28,10 @@ from moonvit import MoonViT
 from ..batch import Batch
 from ..plan import PlannedImage
 
-__all__ = ["Objective", "ObjectiveOutput"]
+if TYPE_CHECKING:
+    from ..config import TrainConfig
+
+__all__ = ["NoOptions", "Objective", "ObjectiveOutput"]
 
 
 @dataclass
@@ -46,11 +50,23 @@ class ObjectiveOutput:
     outputs: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of an objective that has none."""
+
+
 class Objective(nn.Module, ABC):
     """A training objective (see the module docstring).
 
-    Subclasses set ``name``, may add flags in :meth:`add_arguments`, and build themselves in
-    :meth:`from_args`.
+    Subclasses set ``name``, may add flags in :meth:`add_arguments` (read back into their
+    :attr:`Options` dataclass), check and complete the run's config in :meth:`check_config`, and
+    build themselves in :meth:`from_config`.
+
+    The engine asks an objective for: its defaults of two engine flags (AdamW's betas, stochastic
+    depth), whether it needs labels (:attr:`needs_labels`: a self-supervised objective trains on a
+    folder of unlabelled images), its losses and sums, the metrics it reports from them
+    (:meth:`metrics`), and a hook after each optimizer step (:meth:`after_step`: an EMA teacher
+    for distillation or self-distillation updates there).
     """
 
     name: ClassVar[str]
@@ -60,20 +76,42 @@ class Objective(nn.Module, ABC):
     """Whether its batches must hold the dropped patches too (:attr:`Batch.full_pixels`)."""
     draws_pictures: ClassVar[bool] = False
     """Whether :meth:`visualize` draws (the engine makes a ``pictures/`` folder only then)."""
+    needs_labels: ClassVar[bool] = True
+    """Whether it learns from labels (else it trains on ``images:DIR`` too, and labels are ignored)."""
+    default_betas: ClassVar[tuple[float, float]] = (0.9, 0.999)
+    """AdamW's betas unless ``--betas`` says otherwise."""
+    default_drop_path: ClassVar[float] = 0.05
+    """Stochastic depth at the last block unless ``--drop-path`` says otherwise."""
+    Options: ClassVar[type] = NoOptions
+    """The dataclass of its own options, one field per flag it adds (same names)."""
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         """Flags of this objective (added to ``python -m train``'s parser)."""
 
     @classmethod
-    def check_args(cls, args: argparse.Namespace, error: Callable[[str], NoReturn]) -> None:
-        """Check (and complete) the parsed command line when this objective is chosen; ``error``
-        ends the program with a usage message."""
+    def options_from(cls, args: argparse.Namespace) -> Any:
+        """Its :attr:`Options` from the parsed command line."""
+        return cls.Options(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls.Options)})
+
+    @classmethod
+    def check_config(cls, config: TrainConfig, error: Callable[[str], NoReturn]) -> TrainConfig:
+        """Check (and complete) the run's config when this objective is chosen; ``error`` ends the
+        program with a usage message."""
+        return config
 
     @classmethod
     @abstractmethod
-    def from_args(cls, encoder: MoonViT, classes: Sequence[str], args: argparse.Namespace) -> Objective:
-        """Build for ``encoder`` and a dataset of ``classes``."""
+    def from_config(cls, encoder: MoonViT, classes: Sequence[str], config: TrainConfig) -> Objective:
+        """Build for ``encoder`` and a dataset of ``classes`` (empty for unlabelled data)."""
+
+    def metrics(self, means: dict[str, float]) -> dict[str, float]:
+        """What to report from the step's or an evaluation's mean sums (``loss`` and :attr:`sum_names`),
+        e.g. ``{"top1": ...}``; the loss is reported by the engine."""
+        return {}
+
+    def after_step(self) -> None:
+        """Called after every optimizer step (an EMA teacher updates here); nothing by default."""
 
     @abstractmethod
     def weight(self, items: Sequence[PlannedImage]) -> int:

@@ -23,8 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.nn as nn
@@ -32,12 +33,15 @@ import torch.nn as nn
 from moonvit import MoonViT, MoonViTConfig, PackedGrid, build_packed_grid
 from moonvit.cli import fraction, positive_int
 from moonvit.files import save_safetensors_atomic
-from moonvit.model.attention import resolve_attn_implementation
+from moonvit.model.attention import bind_attention, resolve_attn_implementation
 from moonvit.model.blocks import Block, make_norm
 
 from ..batch import Batch
 from ..plan import PlannedImage, TokenDrop
 from .base import Objective, ObjectiveOutput
+
+if TYPE_CHECKING:
+    from ..config import TrainConfig
 
 __all__ = ["DECODER_FILE", "MAEObjective", "sincos_2d"]
 
@@ -81,6 +85,10 @@ class MAEObjective(Objective):
     name = "mae"
     needs_full_pixels = True
     draws_pictures = True
+    needs_labels = False
+    # MAE's recipe (He et al., 2022): AdamW (0.9, 0.95), no stochastic depth in pretraining.
+    default_betas = (0.9, 0.95)
+    default_drop_path = 0.0
 
     def __init__(
         self,
@@ -125,6 +133,14 @@ class MAEObjective(Objective):
 
     # ---- command line -------------------------------------------------------------------------
 
+    @dataclass(frozen=True)
+    class Options:
+        mask_ratio: float = 0.75
+        decoder_width: int = 128
+        decoder_depth: int = 2
+        decoder_heads: int = 4
+        norm_pix: bool = True
+
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
@@ -141,21 +157,21 @@ class MAEObjective(Objective):
         )  # fmt: skip
 
     @classmethod
-    def check_args(cls, args: argparse.Namespace, error: Callable[[str], NoReturn]) -> None:
-        if args.token_drop.active:
+    def check_config(cls, config: TrainConfig, error: Callable[[str], NoReturn]) -> TrainConfig:
+        options = config.objective_options
+        if config.token_drop.active:
             error("--objective mae masks with --mask-ratio; --token-drop is for the supervised objective")
-        if args.mixup or args.cutmix:
+        if config.mixup or config.cutmix:
             error("--objective mae reconstructs each image's own pixels: --mixup / --cutmix do not apply")
-        if args.decoder_width % args.decoder_heads or (args.decoder_width // args.decoder_heads) % 4:
+        if options.decoder_width % options.decoder_heads or (options.decoder_width // options.decoder_heads) % 4:
             error("--decoder-width / --decoder-heads must be a multiple of 4 (2D RoPE)")
         # The plan's token drop is MAE's mask: drawn per image from its seed, counted by the budget.
-        args.token_drop = TokenDrop(args.mask_ratio, args.mask_ratio)
+        return config.replace(token_drop=TokenDrop(options.mask_ratio, options.mask_ratio))
 
     @classmethod
-    def from_args(cls, encoder: MoonViT, classes: Sequence[str], args: argparse.Namespace) -> MAEObjective:
-        return cls(
-            encoder.config, args.mask_ratio, args.decoder_width, args.decoder_depth, args.decoder_heads, args.norm_pix
-        )
+    def from_config(cls, encoder: MoonViT, classes: Sequence[str], config: TrainConfig) -> MAEObjective:
+        o = config.objective_options
+        return cls(encoder.config, o.mask_ratio, o.decoder_width, o.decoder_depth, o.decoder_heads, o.norm_pix)
 
     # ---- the objective ------------------------------------------------------------------------
 
@@ -180,9 +196,9 @@ class MAEObjective(Objective):
         tokens = self.embed(encoded)
         x = self.mask_token.to(tokens.dtype).expand(full.num_patches, -1).index_copy(0, visible, tokens)
         x = x + sincos_2d(full.positions, x.shape[1]).to(x.dtype)
-        impl = resolve_attn_implementation("auto", x.device, x.dtype)
+        attend = bind_attention(resolve_attn_implementation("auto", x.device, x.dtype), full)
         for block in self.blocks:
-            x = block(x, full, impl)
+            x = block(x, full.rope_rotation, attend, full)
         prediction = self.predict(self.norm(x))
         return prediction.to(torch.promote_types(prediction.dtype, torch.float32)), masked, full
 

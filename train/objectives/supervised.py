@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -21,6 +22,9 @@ from moonvit.files import save_safetensors_atomic, write_text_atomic
 from ..batch import Batch
 from ..plan import PlannedImage
 from .base import Objective, ObjectiveOutput
+
+if TYPE_CHECKING:
+    from ..config import TrainConfig
 
 __all__ = ["HEAD_FILE", "SupervisedObjective"]
 
@@ -46,6 +50,10 @@ class SupervisedObjective(Objective):
         nn.init.trunc_normal_(self.head.weight, std=0.02)
         nn.init.zeros_(self.head.bias)
 
+    @dataclass(frozen=True)
+    class Options:
+        smoothing: float = 0.1
+
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
@@ -53,10 +61,11 @@ class SupervisedObjective(Objective):
         )
 
     @classmethod
-    def from_args(cls, encoder: MoonViT, classes: Sequence[str], args: argparse.Namespace) -> SupervisedObjective:
-        if not 0.0 <= args.smoothing < 1.0:
-            raise ValueError(f"--smoothing must lie in [0, 1), got {args.smoothing}")
-        return cls(encoder.config.hidden_size, classes, args.smoothing)
+    def from_config(cls, encoder: MoonViT, classes: Sequence[str], config: TrainConfig) -> SupervisedObjective:
+        return cls(encoder.config.hidden_size, classes, config.objective_options.smoothing)
+
+    def metrics(self, means: dict[str, float]) -> dict[str, float]:
+        return {"top1": means["correct"]}
 
     def weight(self, items: Sequence[PlannedImage]) -> int:
         return len(items)

@@ -1,0 +1,135 @@
+"""Building a run from its config: the encoder (and the processor it expects), the plan of packs and
+the step count of an ``--epochs`` run."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import torch
+
+from moonvit import CheckpointError, MoonViT, MoonViTConfig, MoonViTImageProcessor, preset_config
+from moonvit.distributed import Ranks
+
+from .batch import ImageSource
+from .config import TrainConfig
+from .data import TrainingData
+from .plan import ImageStream, Packer, Resolution, default_lookahead
+
+__all__ = ["Plan", "TrainError", "build_encoder", "build_plan", "describe", "steps_for_epochs"]
+
+
+class TrainError(RuntimeError):
+    """The run cannot go on: a non-finite loss, a tower that cannot be loaded, a budget below one image."""
+
+
+def describe(config: MoonViTConfig) -> str:
+    """An encoder's shape in one line (compared on resume); K3's switches named where they are set."""
+    family = ""
+    if config.norm_type != "layernorm" or config.qkv_hidden_size is not None or not config.attn_bias:
+        family = (
+            f", attention {config.attention_width}, {config.norm_type}, "
+            f"{'biases' if config.attn_bias and config.linear_bias else 'no biases'}, "
+            f"{config.pos_emb_interpolation_mode}"
+        )
+    return (
+        f"{config.num_hidden_layers} blocks x {config.hidden_size} ({config.num_attention_heads} heads, "
+        f"MLP {config.intermediate_size}), patch {config.patch_size}, table "
+        f"{config.init_pos_emb_height}x{config.init_pos_emb_width}{family}"
+    )
+
+
+def build_encoder(config: TrainConfig) -> tuple[MoonViT, MoonViTImageProcessor]:
+    """The encoder to train (fp32 weights, in train mode, gradient checkpointing as asked) and the
+    processor whose normalisation it expects.
+
+    A preset is initialised from ``--seed``; so is, with a ``--checkpoint``, whatever the objective
+    adds next (its head or decoder), since the seed is set last here either way.
+    """
+    if config.checkpoint is not None:
+        try:
+            loaded = MoonViT.from_pretrained(config.checkpoint, dtype=torch.float32)
+            processor = MoonViTImageProcessor.from_pretrained(config.checkpoint)
+        except (CheckpointError, OSError, ValueError) as error:
+            raise TrainError(f"cannot load --checkpoint {config.checkpoint}: {error}") from error
+        encoder = MoonViT(dataclasses.replace(loaded.config, drop_path_rate=config.drop_path))
+        encoder.load_state_dict(loaded.state_dict())
+        torch.manual_seed(config.seed)  # the objective's new parameters are drawn next
+    else:
+        overrides = {
+            field: value
+            for field, value in (
+                ("num_hidden_layers", config.depth),
+                ("hidden_size", config.width),
+                ("num_attention_heads", config.heads),
+                ("intermediate_size", config.mlp_width),
+                ("init_pos_emb_height", config.pos_emb_size),
+                ("init_pos_emb_width", config.pos_emb_size),
+            )
+            if value is not None
+        }
+        assert config.preset is not None
+        try:
+            model_config = preset_config(config.preset, drop_path_rate=config.drop_path, **overrides)
+        except ValueError as error:
+            raise TrainError(f"--preset {config.preset} with {overrides}: {error}") from error
+        torch.manual_seed(config.seed)
+        encoder, processor = MoonViT(model_config), MoonViTImageProcessor()
+    if config.grad_checkpointing:
+        encoder.gradient_checkpointing_enable()
+    return encoder.train(), processor
+
+
+@dataclasses.dataclass
+class Plan:
+    """The run's plan: training sizes and packs, evaluation sizes."""
+
+    resolution: Resolution
+    eval_resolution: Resolution
+    packer: Packer
+    packs_per_step: int
+
+    def eval_grids(self, source: ImageSource) -> list[tuple[int, int]]:
+        return [self.eval_resolution.grid(int(w), int(h)) for w, h in source.sizes()]
+
+
+def build_plan(config: TrainConfig, encoder: MoonViTConfig, data: TrainingData, ranks: Ranks) -> Plan:
+    """Resolution, token drop, stream and packer; refuses a budget below one image."""
+    unit = math.lcm(*encoder.merge_kernel_size)
+    common = dict(max_patches=config.batch_patches, patch_size=encoder.patch_size, unit=unit)
+    low, high = config.resolution
+    resolution = Resolution(low, high, max_grid_side=encoder.max_grid_side, **common)
+    rows, cols = resolution.smallest_square()
+    least = max(config.token_drop.kept(rows * cols, 0.0), config.token_drop.kept(rows * cols, 1.0))
+    if config.batch_patches < least:
+        raise TrainError(
+            f"--batch-patches {config.batch_patches} is below one image: a {low} px image has "
+            f"{rows}x{cols} = {rows * cols} patches ({least} kept); use a budget of a few hundred images "
+            f"(e.g. --batch-patches {256 * least}) or a smaller --resolution"
+        )
+    packs_per_step = config.packs_per_step or ranks.world_size
+    if packs_per_step % ranks.world_size:
+        raise TrainError(
+            f"--packs-per-step {packs_per_step} cannot be shared out over {ranks.world_size} ranks evenly; "
+            f"use a multiple of {ranks.world_size}"
+        )
+    stream = ImageStream(data.train.sizes(), resolution, config.token_drop, config.seed)
+    width, height = (int(n) for n in stream.sizes[0])
+    rows, cols = resolution.grid(width, height, 0.5)
+    typical = config.token_drop.kept(rows * cols, 0.5)
+    packer = Packer(stream, config.batch_patches, default_lookahead(config.batch_patches, typical))
+    size = config.eval_resolution
+    eval_resolution = Resolution(size, size, max_grid_side=encoder.max_grid_side, **common)
+    return Plan(resolution, eval_resolution, packer, packs_per_step)
+
+
+def steps_for_epochs(plan: Plan, epochs: float, samples: int = 100) -> int:
+    """Steps that show about ``epochs`` passes over the training images, from ``samples`` simulated packs
+    at the schedule's mean token-drop rate."""
+    probe = copy.deepcopy(plan.packer)
+    drop = probe.stream.drop
+    mean_rate = (drop.start + drop.end) / 2
+    probe.stream.drop = dataclasses.replace(drop, start=mean_rate, end=mean_rate)
+    images = sum(len(probe.next_pack(0.0)) for _ in range(samples)) / samples
+    return max(1, math.ceil(epochs * len(probe.stream.sizes) / (images * plan.packs_per_step)))

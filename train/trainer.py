@@ -1,0 +1,237 @@
+"""The training state of one process and one optimizer step on it.
+
+One step: the plan gives the step's packs (every rank computes all of them, each takes its
+share), each pack is rendered (decode, resize, augment, mix, patchify, drop), run through the
+encoder and the objective, and its loss sum, scaled by the world size over the step's units,
+is backpropagated; gradients are clipped, AdamW steps, the schedule moves on and the objective's
+``after_step`` hook runs. The :class:`Trainer` saves and restores its own state
+(:meth:`Trainer.state_dict`), so that a run killed at any step resumes bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from moonvit import MoonViT, MoonViTImageProcessor
+from moonvit.cli import torch_dtype
+from moonvit.distributed import Ranks
+from moonvit.perf import config_flops
+
+from .augment import AugmentConfig
+from .batch import render_pack
+from .build import Plan, TrainError
+from .checkpoint import rng_states, set_rng_states
+from .config import TrainConfig
+from .data import TrainingData
+from .objectives import Objective
+from .optim import OptimConfig, build_optimizer, build_schedule, param_groups
+from .parallel import Parallel, TrainModule
+from .plan import Pack, derive_seed
+
+__all__ = ["MIX_SEED", "TORCH_SEED", "Trainer"]
+
+MIX_SEED, TORCH_SEED = 1, 2
+"""Purposes in :func:`derive_seed`: a pack's mixing draws, and torch's generator for its forward (stochastic depth)."""
+
+
+class Trainer:
+    """The training state of one process (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        ranks: Ranks,
+        device: torch.device,
+        encoder: MoonViT,
+        processor: MoonViTImageProcessor,
+        objective: Objective,
+        data: TrainingData,
+        plan: Plan,
+    ) -> None:
+        self.config, self.ranks, self.device = config, ranks, device
+        self.encoder, self.processor, self.objective = encoder, processor, objective
+        self.data, self.plan = data, plan
+        self.parallel = Parallel(TrainModule(encoder, objective).to(device), ranks, device, config.fsdp)
+        self.autocast_dtype = torch_dtype(config.dtype)
+        self.augment = AugmentConfig(
+            crop_scale=config.crop_scale,
+            hflip=config.hflip,
+            randaugment_ops=int(config.randaugment[0]),
+            randaugment_magnitude=config.randaugment[1],
+            mixup=config.mixup,
+            cutmix=config.cutmix,
+            mix_prob=config.mix_prob,
+        )
+        head_lr = config.lr if config.head_lr is None else config.head_lr
+        self.optim_config = OptimConfig(config.lr, head_lr, config.weight_decay, config.layer_decay, config.betas)
+        self.step = 0
+        self.total = 0
+        self.images_seen = 0
+        self.elapsed_s = 0.0
+        self.calibration: dict[str, float] = {}
+        self.saved_step: int | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.schedule: torch.optim.lr_scheduler.LambdaLR | None = None
+
+    # ---- set-up -------------------------------------------------------------------------------
+
+    def start(self, total: int) -> None:
+        """Optimizer and schedule for ``total`` steps."""
+        self.total = total
+        self.optimizer = build_optimizer(
+            param_groups(self.encoder, self.objective, self.optim_config), self.optim_config, self.device
+        )
+        warmup = max(1, round(self.config.warmup * total))
+        self.schedule = build_schedule(self.optimizer, total, warmup, self.config.min_lr_ratio)
+
+    def my_share(self, packs: Sequence[Pack]) -> list[tuple[int, Pack]]:
+        """(index in the step, pack) of the packs this rank runs."""
+        return [(j, packs[j]) for j in range(self.ranks.rank, len(packs), self.ranks.world_size)]
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        enabled = self.autocast_dtype != torch.float32
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=enabled)
+
+    # ---- its own state ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a step depends on, gathered (every rank takes part; the result is the same
+        on each): model and optimizer (full, by parameter name), schedule, plan position, RNG states,
+        counters, the ``--minutes`` calibration and the thread count."""
+        assert self.optimizer is not None and self.schedule is not None
+        return {
+            "step": self.step,
+            "total_steps": self.total,
+            "images_seen": self.images_seen,
+            "elapsed_s": self.elapsed_s,
+            "calibration": dict(self.calibration),
+            "model": self.parallel.model_state(),
+            "optimizer": self.parallel.optimizer_state(self.optimizer),
+            "schedule": self.schedule.state_dict(),
+            "plan": self.plan.packer.state_dict(),
+            "rng": rng_states(),
+            "threads": torch.get_num_threads(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` (after :meth:`start` with the saved total)."""
+        assert self.optimizer is not None and self.schedule is not None
+        self.parallel.load_model_state(state["model"])
+        self.parallel.load_optimizer_state(self.optimizer, state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.plan.packer.load_state_dict(state["plan"])
+        set_rng_states(state["rng"])
+        self.step, self.images_seen, self.elapsed_s = state["step"], state["images_seen"], state["elapsed_s"]
+        self.calibration = dict(state.get("calibration") or {})
+        self.saved_step = self.step
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def forward_backward(self, step: int, packs: Sequence[Pack]) -> tuple[dict[str, float], float]:
+        """Render, run and backpropagate this rank's packs of a step; returns the step's summed
+        statistics over every rank (loss, objective sums, per unit) and this rank's rendering time."""
+        units = sum(self.objective.weight(pack) for pack in packs)
+        scale = self.ranks.world_size / units
+        mine = self.my_share(packs)
+        sums: dict[str, torch.Tensor] = {}
+        render_s = 0.0
+        for position, (j, pack) in enumerate(mine):
+            start = time.perf_counter()
+            mix_rng = np.random.default_rng(derive_seed(self.config.seed, MIX_SEED, step, j))
+            batch = render_pack(
+                pack, self.data.train, self.encoder.config, self.augment, mix_rng, self.objective.needs_full_pixels
+            ).to(self.device)
+            render_s += time.perf_counter() - start
+            torch.manual_seed(derive_seed(self.config.seed, TORCH_SEED, step, j))
+            with self.parallel.gradient_sync(position == len(mine) - 1):
+                with self.autocast():
+                    output = self.parallel(batch)
+                (output.loss_sum * scale).backward()
+            for name, value in {"loss": output.loss_sum.detach(), **output.sums}.items():
+                sums[name] = sums.get(name, 0) + value.detach().float()
+        names = ["loss", *self.objective.sum_names]
+        # Reduced on the host: gloo takes CPU tensors (under NCCL too, through the mixed
+        # "cpu:gloo,cuda:nccl" group moonvit.distributed joins on GPUs).
+        totals = self.ranks.sum(torch.stack([sums[name] for name in names]).cpu())
+        return {name: float(total) / units for name, total in zip(names, totals)}, render_s
+
+    def train_step(self, packs: Sequence[Pack]) -> dict[str, Any]:
+        """One optimizer step on a step's packs; returns its log record."""
+        assert self.optimizer is not None and self.schedule is not None
+        start = time.perf_counter()
+        lr = max(group["lr"] for group in self.optimizer.param_groups)
+        stats, render_s = self.forward_backward(self.step, packs)
+        params = [p for p in self.parallel.module.parameters() if p.grad is not None]
+        clip = self.config.clip_grad if self.config.clip_grad > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        if not (math.isfinite(stats["loss"]) and math.isfinite(grad_norm)):
+            raise TrainError(self._non_finite_message(stats["loss"], grad_norm))
+        self.optimizer.step()
+        self.schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.objective.after_step()
+        step_s = time.perf_counter() - start
+        self.step += 1
+        self.elapsed_s += step_s
+        images = sum(len(pack) for pack in packs)
+        patches = sum(item.kept for pack in packs for item in pack)
+        self.images_seen += images
+        flops = 3 * sum(config_flops([item.kept for item in pack], self.encoder.config) for pack in packs)
+        return {
+            "kind": "train",
+            "step": self.step,
+            "epoch": self.images_seen / len(self.data.train),
+            "loss": stats["loss"],
+            **self.objective.metrics(stats),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "images": images,
+            "patches": patches,
+            "utilisation": patches / (len(packs) * self.config.batch_patches),
+            "token_drop": self.config.token_drop.rate(max(self.step - 1, 0) / self.total),
+            "step_s": step_s,
+            "data_s": render_s,
+            "images_per_s": images / step_s,
+            "patches_per_s": patches / step_s,
+            "tflops": flops / step_s / 1e12,
+        }
+
+    def _non_finite_message(self, loss: float, grad_norm: float) -> str:
+        from .checkpoint import state_path
+
+        kept = (
+            f"the last good checkpoint, from step {self.saved_step}, is kept in {state_path(self.config.out)}"
+            if self.saved_step is not None
+            else "no checkpoint had been written yet"
+        )
+        return (
+            f"the loss is {loss} (gradient norm {grad_norm}) at step {self.step + 1}: training stopped and this "
+            f"step was not applied; {kept}. Lower --lr, keep --clip-grad on, or try --dtype fp32"
+        )
+
+    # ---- the result ---------------------------------------------------------------------------
+
+    def export(self) -> list[str]:
+        """The encoder in the package's format at ``<out>/checkpoint`` (with the processor's settings), and
+        the objective's files beside it. Every rank gathers; the main rank writes."""
+        out = self.config.out
+        state = self.parallel.model_state()
+        if not self.ranks.is_main:
+            return []
+        parts: dict[str, dict[str, torch.Tensor]] = {"encoder": {}, "objective": {}}
+        for name, tensor in state.items():
+            part, _, rest = name.partition(".")
+            parts[part][rest] = tensor
+        encoder = MoonViT(dataclasses.replace(self.encoder.config, drop_path_rate=0.0))
+        encoder.load_state_dict(parts["encoder"])
+        encoder.save_pretrained(out / "checkpoint")
+        self.processor.save_pretrained(out / "checkpoint")
+        return ["checkpoint", *self.objective.save(out, parts["objective"])]
