@@ -4,7 +4,7 @@
 Every program takes the same flags for the same things, with the same spellings,
 checks and defaults: ``--dtype`` (``bf16`` / ``fp16`` / ``fp32`` / ``fp64``, the
 long names ``bfloat16``, ``float32``, ... accepted and printed short),
-``--device`` (``cpu``, ``cuda``, ``cuda:N``, refused at parse time where torch
+(llama.cpp's ``f32`` / ``f16`` too), ``--device`` (``cpu``, ``cuda``, ``cuda:N``, refused at parse time where torch
 has no CUDA), ``--threads``, ``--max-patches-per-pack``, ``--checkpoint`` (a
 folder or a hub id), ``--seed``, ``--side-limit-mode`` and ``--opset``. Every number and path
 has a checking type here: argument types raise ``argparse.ArgumentTypeError``, so
@@ -87,6 +87,8 @@ _DTYPE_ALIASES = {
     "bfloat16": "bf16",
     "float16": "fp16",
     "half": "fp16",
+    "f16": "fp16",
+    "f32": "fp32",
     "float32": "fp32",
     "float": "fp32",
     "float64": "fp64",

@@ -233,11 +233,22 @@ def k25_full_model(model: MoonViT, projector: MoonViTProjector):
     return full
 
 
-def write_k25_release_folder(folder: Path, model: MoonViT, projector: MoonViTProjector, sharded: bool = True) -> Path:
+def write_k25_release_folder(
+    folder: Path,
+    model: MoonViT,
+    projector: MoonViTProjector,
+    sharded: bool = True,
+    processor: MoonViTImageProcessor | None = None,
+) -> Path:
     """A folder laid out like a Kimi-K2.5 / K2.6 release: ``vt_*`` keys in ``vision_config`` (with
     the projector's ``mm_*`` fields), tensors ``vision_tower.*`` and ``mm_projector.proj.{0,2}``, and
-    language-model tensors in a shard of their own."""
+    language-model tensors in a shard of their own. With ``processor``, also the release's
+    ``preprocessor_config.json`` (its image settings under ``media_proc_cfg``)."""
     folder.mkdir(parents=True, exist_ok=True)
+    if processor is not None:
+        media = {"in_patch_limit": processor.in_token_limit, "patch_size": processor.patch_size,
+                 "image_mean": list(processor.image_mean), "image_std": list(processor.image_std)}  # fmt: skip
+        (folder / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": media}))
     c = model.config
     config = {
         "model_type": "kimi_k25",
