@@ -4,8 +4,10 @@ Modules, one idea each:
     datasets: Fashion-MNIST (IDX files), scikit-learn's digits and ImageFolder trees as splits.
     splits: seeded stratified splits.
     encoder: building the encoder and hashing its weights.
-    features: the feature views, pack-wise extraction and the on-disk feature cache.
+    features: the feature views, pack-wise extraction (its forwards timed) and the on-disk feature cache.
     probe: standardisation and the two solvers (many-heads AdamW, L-BFGS logistic regression).
+    knn: DINO's weighted kNN classifier (cosine, exp(sim / T) votes), queries in chunks.
+    logreg: scikit-learn's logistic regression, C chosen on the probe's validation cut.
     metrics: top-k, per-class recall, confusion matrices.
-    report: results.json, the confusion-matrix PNG and the markdown table.
+    report: results.json, the confusion-matrix PNG, the markdown table and the CSV of runs.
 """

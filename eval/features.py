@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,7 @@ __all__ = [
     "ENCODER_VIEWS",
     "FEATURE_VIEWS",
     "FeatureCache",
+    "ForwardTiming",
     "ResizePolicy",
     "encoder_views",
     "extract_features",
@@ -83,6 +86,67 @@ class ResizePolicy:
         scale = self.short_side / min(image.size)
         size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
         return image.resize(size, Image.Resampling.BICUBIC)
+
+
+@dataclass
+class ForwardTiming:
+    """Wall-clock seconds of the encoder's forward, pack by pack (filled by :func:`extract_features`).
+
+    Only the forward is timed (from the pixels on the device to the output, CUDA synchronised),
+    not image loading, resizing, the processor's patchify or the feature views. The first forward
+    of a process is slower (allocations, kernel choice): warm the encoder up before timing it.
+
+    Attributes:
+        images, seconds: per pack, its image count and its forward's seconds.
+    """
+
+    images: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+
+    def images_per_s(self) -> float | None:
+        """Images per second of forward over every timed pack; None when nothing was timed."""
+        seconds = sum(self.seconds)
+        return sum(self.images) / seconds if seconds > 0 else None
+
+    def summary(self) -> dict[str, Any]:
+        """The figures results.json records."""
+        return {
+            "images_per_s": self.images_per_s(),
+            "images_timed": sum(self.images),
+            "packs_timed": len(self.seconds),
+            "forward_s": sum(self.seconds),
+        }
+
+
+@contextmanager
+def _forward_seconds(model: VisionEncoder) -> Iterator[list[float] | None]:
+    """Seconds of each ``model(...)`` call while open, by hooks on the top module only (so no
+    layer's fused path is turned off); None for an encoder that is not a torch module (no hooks)."""
+    if not isinstance(model, torch.nn.Module):
+        yield None
+        return
+    durations: list[float] = []
+    started: list[float] = []
+    device = model.device
+
+    def synchronize() -> None:
+        if device.type == "cuda":  # CUDA runs asynchronously: wait for the work queued before / by the forward
+            torch.cuda.synchronize(device)
+
+    def before(*_: Any) -> None:
+        synchronize()
+        started.append(time.perf_counter())
+
+    def after(*_: Any) -> None:
+        synchronize()
+        durations.append(time.perf_counter() - started.pop())
+
+    handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+    try:
+        yield durations
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def encoder_views(
@@ -129,12 +193,14 @@ def extract_features(
     max_patches_per_pack: int = DEFAULT_MAX_PATCHES_PER_PACK,
     total: int | None = None,
     description: str = "features",
+    timing: ForwardTiming | None = None,
 ) -> dict[str, torch.Tensor]:
     """Run the frozen encoder over ``images`` in packs of at most ``max_patches_per_pack`` patches.
 
     Images are loaded to RGB, resized by ``resize``, then packed with :func:`moonvit.pack_images`
     and encoded pack by pack (:func:`moonvit.encode_pack`) without autograd, with a tqdm bar over
-    images. Only the hidden states a view needs are kept.
+    images. Only the hidden states a view needs are kept. ``timing``, when given, gains each
+    pack's image count and forward seconds.
 
     Returns:
         {view: (N, F) float32 on the CPU}, rows in input order.
@@ -143,10 +209,19 @@ def extract_features(
     chunks: dict[str, list[torch.Tensor]] = {view: [] for view in views}
     indices = LAST4 if "last4" in views else None
     resized = (resize(processor.load_image(image)) for image in images)
-    with tqdm(total=total, desc=description, unit="img") as bar, torch.inference_mode():
+    with (
+        tqdm(total=total, desc=description, unit="img") as bar,
+        torch.inference_mode(),
+        _forward_seconds(model) as durations,
+    ):
         for pack in pack_images(resized, processor, max_patches_per_pack):
+            started = time.perf_counter()
             encoded = encode_pack(model, processor, pack, hidden_state_indices=indices)
             assert encoded.output is not None and encoded.grid is not None
+            if timing is not None:
+                timing.images.append(len(pack.items))
+                # without hooks (not a torch module), the whole encode_pack call is timed
+                timing.seconds.append(durations[-1] if durations is not None else time.perf_counter() - started)
             for view, value in encoder_views(encoded.output, encoded.grid, views).items():
                 chunks[view].append(value.cpu())
             bar.update(len(pack.items))
@@ -198,12 +273,14 @@ def split_features(
     resize: ResizePolicy,
     cache: FeatureCache,
     max_patches_per_pack: int = DEFAULT_MAX_PATCHES_PER_PACK,
+    timing: ForwardTiming | None = None,
 ) -> tuple[torch.Tensor, bool]:
     """One view's (N, F) features of ``split``, from the cache or by running the encoder once.
 
     ``encoder`` may be None for the ``pixels`` view only. On a miss every view the encoder can
     give is extracted from the same forward and cached, so probing another view later does not
-    re-run the encoder. ``pixels`` is computed, never cached.
+    re-run the encoder; ``timing`` then gains the forwards' seconds (a hit leaves it as it is).
+    ``pixels`` is computed, never cached.
 
     Returns:
         (features, cache_hit).
@@ -237,6 +314,7 @@ def split_features(
         max_patches_per_pack=max_patches_per_pack,
         total=len(split),
         description=f"{dataset} {split_name}",
+        timing=timing,
     )
     for name, features in extracted.items():
         cache.save({**base, "view": name}, features)

@@ -6,14 +6,23 @@ Protocol: the frozen encoder's features are extracted once per split (eval mode,
 packs of whole images under a patch budget) and cached on disk; they are standardised with
 training statistics; a linear probe is selected on a seeded stratified 10% of train, refitted on
 all of train and scored once on test (see :mod:`eval.probe`). The same probe on raw pixels is the
-baseline row unless ``--no-baseline``. Writes ``results.json``, ``confusion_<features>.png`` and
-``table.md`` to ``--out`` and prints the table.
+baseline row unless ``--no-baseline``.
+
+On the same features, as DINOv3 and RADIO report them: the weighted kNN classifier (DINO's: cosine,
+k of ``--knn-k``, T = 0.07, :mod:`eval.knn`) and scikit-learn's logistic regression (C chosen on
+the same 10%, :mod:`eval.logreg`), each on test and on the validation cut; and the encoder's
+images/s at the probe's resolution and dtype (forward only, timed while the test split is
+extracted, or on its first 512 images when its features come from the cache).
+
+Writes ``results.json``, ``confusion_<features>.png`` and ``table.md`` to ``--out``, prints the
+table, and appends a row per feature view to ``--results-csv``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import platform
 import sys
 import time
@@ -35,6 +44,7 @@ from moonvit.cli import (
     add_side_limit_argument,
     add_threads_argument,
     apply_threads,
+    dtype_name,
     existing_folder,
     exit_on,
     fraction,
@@ -42,6 +52,7 @@ from moonvit.cli import (
     non_negative_int,
     one_line_warnings,
     output_dir,
+    output_file,
     positive_float,
     positive_int,
     torch_dtype,
@@ -49,10 +60,34 @@ from moonvit.cli import (
 
 from .datasets import DEFAULT_FASHION_MNIST_DIR, Dataset, DatasetError, load_dataset
 from .encoder import FrozenEncoder, load_frozen_encoder
-from .features import FEATURE_VIEWS, FeatureCache, ResizePolicy, available_views, split_features
+from .features import (
+    FEATURE_VIEWS,
+    FeatureCache,
+    ForwardTiming,
+    ResizePolicy,
+    available_views,
+    extract_features,
+    split_features,
+)
+from .knn import DEFAULT_KS, DEFAULT_TEMPERATURE, KnnConfig, run_knn
+from .logreg import DEFAULT_CS, LogRegConfig, run_logreg, sklearn_version
 from .metrics import classification_metrics
 from .probe import ProbeConfig, ProbeDataWarning, check_probe_labels, run_probe
-from .report import markdown_table, save_confusion_png, write_json
+from .report import (
+    ResultsCsvError,
+    append_csv_rows,
+    check_csv_header,
+    csv_columns,
+    markdown_table,
+    save_confusion_png,
+    speed_line,
+    write_json,
+)
+
+SPEED_SAMPLE = 512
+"""Test images the encoder's images/s is measured on when the test features come from the cache."""
+WARMUP_IMAGES = 32
+"""Test images of the untimed forward before images/s is measured (allocations, kernel choice)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,6 +169,57 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--l2-normalize", action="store_true", help="L2-normalise features before standardising")
     parser.add_argument("--no-baseline", action="store_true", help="skip the raw-pixels baseline row")
+    knn = parser.add_argument_group("kNN classifier (DINO's weighted vote over cosine neighbours)")
+    knn.add_argument(
+        "--knn-k",
+        type=positive_int,
+        nargs="+",
+        default=list(DEFAULT_KS),
+        metavar="K",
+        help=f"neighbour counts, one figure each (default: {' '.join(map(str, DEFAULT_KS))})",
+    )
+    knn.add_argument(
+        "--knn-temperature",
+        type=positive_float,
+        default=DEFAULT_TEMPERATURE,
+        metavar="T",
+        help=f"T of the vote weights exp(sim / T) (default: {DEFAULT_TEMPERATURE})",
+    )
+    knn.add_argument("--no-knn", action="store_true", help="skip the kNN classifier (its CSV cells stay empty)")
+    logreg = parser.add_argument_group("logistic regression (scikit-learn, lbfgs, multinomial)")
+    logreg.add_argument(
+        "--logreg-Cs",
+        type=positive_float,
+        nargs="+",
+        default=list(DEFAULT_CS),
+        metavar="C",
+        help=f"inverse L2 strengths to choose from (default: {' '.join(f'{c:g}' for c in DEFAULT_CS)})",
+    )
+    logreg.add_argument(
+        "--logreg-max-iter",
+        type=positive_int,
+        default=LogRegConfig().max_iter,
+        metavar="N",
+        help=f"lbfgs iterations per fit (default: {LogRegConfig().max_iter})",
+    )
+    logreg.add_argument(
+        "--logreg-search-rows",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="at most this many training rows (stratified sample) in the C search; the refit uses all (default: all)",
+    )
+    logreg.add_argument(
+        "--no-logreg", action="store_true", help="skip the logistic regression (its CSV cell stays empty)"
+    )
+    parser.add_argument(
+        "--results-csv",
+        type=output_file,
+        metavar="PATH",
+        help="CSV to append a row per feature view to, header first when new; an existing file with "
+        "another header is refused (default: <out>/../probe_results.csv, outputs/probe_results.csv "
+        "for the default --out)",
+    )
     return parser
 
 
@@ -147,11 +233,19 @@ def probe_view(
     max_patches_per_pack: int,
     device: str,
     out: Path,
+    knn: KnnConfig | None = None,
+    logreg: LogRegConfig | None = None,
 ) -> dict[str, Any]:
-    """Features, probe, metrics and confusion PNG of one view: a ``runs`` entry of results.json."""
+    """Features, probe, metrics and confusion PNG of one view, and on the same features the kNN
+    classifier and the logistic regression (when configured) and, for an encoder view, the
+    encoder's images/s (``speed``: how it was measured): a ``runs`` entry of results.json."""
     start = time.perf_counter()
     features, hits = {}, {}
+    timing = ForwardTiming() if view != "pixels" and encoder is not None else None
     for name, split in (("train", dataset.train), ("test", dataset.test)):
+        if name == "test" and timing is not None:
+            assert encoder is not None
+            _warm_up(encoder, dataset, resize, max_patches_per_pack)
         features[name], hits[name] = split_features(
             encoder,
             split,
@@ -161,8 +255,17 @@ def probe_view(
             resize=resize,
             cache=cache,
             max_patches_per_pack=max_patches_per_pack,
+            timing=timing if name == "test" else None,
         )
     features_s = time.perf_counter() - start
+    speed = None
+    if timing is not None:
+        assert encoder is not None
+        measured_on = "timed while the test split's features were extracted"
+        if not timing.seconds:  # the test features came from the cache: time a fixed sample instead
+            _time_sample(encoder, dataset, view, resize, max_patches_per_pack, timing)
+            measured_on = "timed on the split's first images, as its features came from the cache"
+        speed = {**timing.summary(), "measured_on": measured_on}
     start = time.perf_counter()
     train_y = torch.from_numpy(dataset.train.labels).to(device)
     with warnings.catch_warnings():
@@ -176,6 +279,40 @@ def probe_view(
     picture = out / f"confusion_{view}.png"
     title = f"{dataset.name} / {view} / test top-1 {metrics['top1']:.4f}"
     save_confusion_png(confusion, dataset.classes, picture, title)
+    test_y = torch.from_numpy(dataset.test.labels)
+    knn_figures = None
+    if knn is not None:
+        start = time.perf_counter()
+        found = run_knn(
+            features["train"].to(device), train_y, features["test"].to(device), test_y, len(dataset.classes), knn
+        )
+        knn_figures = {
+            "test_top1": {str(k): v for k, v in found.test_top1.items()},
+            "val_top1": {str(k): v for k, v in found.val_top1.items()},
+            "effective_k": {str(k): v for k, v in found.effective_k.items()},
+            "sizes": found.sizes,
+            "knn_s": time.perf_counter() - start,
+        }
+    logreg_figures = None
+    if logreg is not None:
+        start = time.perf_counter()
+        fitted = run_logreg(
+            features["train"], train_y.cpu(), features["test"], test_y, logreg, threads=torch.get_num_threads()
+        )
+        logreg_figures = {
+            "chosen": {"C": fitted.chosen_C},
+            "validation_grid": fitted.grid,
+            "test_top1": fitted.test_top1,
+            "refit": fitted.refit,
+            "sizes": fitted.sizes,
+            "logreg_s": time.perf_counter() - start,
+        }
+        if not fitted.refit["converged"]:
+            warnings.warn(
+                f"logistic regression on {view}: lbfgs stopped at --logreg-max-iter {logreg.max_iter} before "
+                f"converging (C={fitted.chosen_C:g}); its top-1 may be a little off",
+                stacklevel=1,
+            )
     return {
         "features": view,
         "solver": config.solver,
@@ -187,9 +324,82 @@ def probe_view(
         "test": {**metrics, "per_class_recall": dict(zip(dataset.classes, metrics["per_class_recall"]))},
         "confusion": confusion,
         "confusion_png": picture.name,
+        "logreg": logreg_figures,
+        "knn": knn_figures,
+        "images_per_s": None if speed is None else speed["images_per_s"],
+        "speed": speed,
         "cache_hit": hits,
         "timings": {"features_s": features_s, "probe_s": probe_s},
     }
+
+
+def _warm_up(encoder: FrozenEncoder, dataset: Dataset, resize: ResizePolicy, max_patches_per_pack: int) -> None:
+    """An untimed forward of a few test images, so allocations and kernel choice stay out of images/s."""
+    images = dataset.test.images[:WARMUP_IMAGES]
+    extract_features(
+        encoder.model,
+        encoder.processor,
+        images,
+        ["mean"],
+        resize=resize,
+        max_patches_per_pack=max_patches_per_pack,
+        total=len(images),
+        description=f"{dataset.name} warm-up",
+    )
+
+
+def _time_sample(
+    encoder: FrozenEncoder,
+    dataset: Dataset,
+    view: str,
+    resize: ResizePolicy,
+    max_patches_per_pack: int,
+    timing: ForwardTiming,
+) -> None:
+    """Time the encoder on the first :data:`SPEED_SAMPLE` test images (their features are thrown away)."""
+    images = dataset.test.images[:SPEED_SAMPLE]
+    extract_features(
+        encoder.model,
+        encoder.processor,
+        images,
+        [view],
+        resize=resize,
+        max_patches_per_pack=max_patches_per_pack,
+        total=len(images),
+        description=f"{dataset.name} test images/s",
+        timing=timing,
+    )
+
+
+def csv_rows(results: dict[str, Any], columns: list[str], knn_ks: tuple[int, ...]) -> list[dict[str, Any]]:
+    """A row of the results CSV per feature view of ``results`` (None: an empty cell; the pixels
+    baseline has no short side, dtype or images/s)."""
+    timestamp = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    encoder = results["encoder"]
+    rows = []
+    for run in results["runs"]:
+        on_encoder = run["features"] != "pixels" and encoder is not None
+        knn = run["knn"] or {"test_top1": {}}
+        row = {
+            "timestamp": timestamp,
+            "encoder": encoder["source"] if encoder is not None else "none",
+            "dataset": results["dataset"]["spec"],
+            "features": run["features"],
+            "short_side": results["preprocessing"]["resize"]["short_side"] if on_encoder else None,
+            "dtype": dtype_name(encoder["dtype"].removeprefix("torch.")) if on_encoder else None,
+            "device": results["device"],
+            "threads": results["threads"],
+            "linear_top1": _cell(run["test"]["top1"]),
+            "logreg_top1": _cell(run["logreg"]["test_top1"]) if run["logreg"] else None,
+            **{f"knn{k}_top1": _cell(knn["test_top1"].get(str(k))) for k in knn_ks},
+            "images_per_s": None if run["images_per_s"] is None else f"{run['images_per_s']:.1f}",
+        }
+        rows.append({column: row[column] for column in columns})
+    return rows
+
+
+def _cell(value: float | None) -> str | None:
+    return None if value is None else f"{value:.4f}"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -199,7 +409,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--features {args.features} needs an encoder: --checkpoint PATH or --preset NAME --random-init")
     if args.preset is not None and not args.random_init:
         parser.error(f"--preset {args.preset} has no trained weights; add --random-init")
-    with one_line_warnings(), exit_on(parser):
+    if not args.no_logreg and sklearn_version() is None:
+        parser.error("the logistic regression needs scikit-learn (pip install scikit-learn); or pass --no-logreg")
+    with one_line_warnings(), exit_on(parser, ResultsCsvError):
         return run(args, argv, parser)
 
 
@@ -218,6 +430,10 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
         ]
     except (DatasetError, ValueError) as error:
         parser.error(f"cannot probe --dataset {args.dataset}: {error}")
+    knn_ks = tuple(sorted(set(args.knn_k)))
+    csv_path = args.results_csv if args.results_csv is not None else args.out.resolve().parent / "probe_results.csv"
+    columns = csv_columns(knn_ks)
+    check_csv_header(csv_path, columns)  # refused before any work, not after it
     for message in data_warnings:
         warnings.warn(message, ProbeDataWarning, stacklevel=1)
     start = time.perf_counter()
@@ -257,12 +473,37 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     cache = FeatureCache(args.cache_dir if args.cache_dir is not None else out.resolve().parent / "feature-cache")
+    knn = None if args.no_knn else KnnConfig(knn_ks, args.knn_temperature, args.val_fraction, args.seed)
+    logreg = (
+        None
+        if args.no_logreg
+        else LogRegConfig(
+            inverse_regularization=tuple(sorted(set(args.logreg_Cs))),
+            max_iter=args.logreg_max_iter,
+            max_search_rows=args.logreg_search_rows,
+            val_fraction=args.val_fraction,
+            seed=args.seed,
+            l2_normalize=args.l2_normalize,
+        )
+    )
     views = [args.features] + ([] if args.no_baseline or args.features == "pixels" else ["pixels"])
     runs = [
-        probe_view(view, dataset, encoder, config, cache, resize, args.max_patches_per_pack, args.device, out)
+        probe_view(
+            view, dataset, encoder, config, cache, resize, args.max_patches_per_pack, args.device, out, knn, logreg
+        )
         for view in views
     ]
     main_run = runs[0]
+    speed = None
+    if main_run["speed"] is not None:
+        assert encoder is not None
+        speed = {
+            **main_run["speed"],
+            "dtype": dtype_name(str(encoder.model.dtype).removeprefix("torch.")),
+            "device": args.device,
+            "threads": torch.get_num_threads(),
+            "short_side": resize.short_side,
+        }
     results = {
         "features": main_run["features"],
         "top1": main_run["test"]["top1"],
@@ -271,6 +512,10 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
         "per_class_recall": main_run["test"]["per_class_recall"],
         "chosen": main_run["chosen"],
         "feature_dim": main_run["feature_dim"],
+        "logreg_top1": None if main_run["logreg"] is None else main_run["logreg"]["test_top1"],
+        "knn_top1": None if main_run["knn"] is None else main_run["knn"]["test_top1"],
+        "images_per_s": main_run["images_per_s"],
+        "speed": speed,
         "runs": runs,
         "dataset": {
             "spec": args.dataset,
@@ -300,8 +545,13 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
             "l2_normalize": args.l2_normalize,
         },
         "probe": dataclasses.asdict(config),
+        "knn": None if knn is None else {**dataclasses.asdict(knn), "metric": "cosine of L2-normalised features"},
+        "logreg": None
+        if logreg is None
+        else {**dataclasses.asdict(logreg), "solver": "scikit-learn LogisticRegression, lbfgs, multinomial"},
         "data_warnings": data_warnings,
         "seed": args.seed,
+        "device": args.device,
         "threads": torch.get_num_threads(),
         "command": " ".join(["python -m eval.linear_probe", *(argv if argv is not None else sys.argv[1:])]),
         "versions": {
@@ -310,13 +560,17 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
             "numpy": np.__version__,
             "pillow": PIL.__version__,
             "moonvit": moonvit.__version__,
+            **({} if logreg is None else {"scikit-learn": sklearn_version()}),
         },
         "timings": {"total_s": time.perf_counter() - start},
     }
+    results["results_csv"] = str(csv_path)
     write_json(results, out / "results.json")
-    table = markdown_table(runs)
+    table = markdown_table(runs) + ("" if speed is None else "\n\n" + speed_line(speed))
     (out / "table.md").write_text(table + "\n")
     print(table)
+    append_csv_rows(csv_path, columns, csv_rows(results, columns, knn_ks))
+    print(f"{len(runs)} row{'s' if len(runs) != 1 else ''} appended to {csv_path}")
     return results
 
 

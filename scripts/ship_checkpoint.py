@@ -74,6 +74,13 @@ def card(name: str, title: str, hardware: str, results: dict[str, Any], notes: s
     test = results["test"]
     if "top1" in test:
         lines += [f"Its own head (`head.safetensors`) on the test split: top-1 **{test['top1']:.4f}**.", ""]
+    elif "cosine" in test:
+        lines += [
+            f"Distilled from `{test['teacher']}`: on the test split, its patch tokens (through the adapter, "
+            f"`distill_adapter.safetensors`) have a mean cosine of **{test['cosine']:.4f}** to the teacher's "
+            f"standardised tokens (loss {test['distill_loss']:.4f}).",
+            "",
+        ]
     else:
         loss = f"Reconstruction error of the masked patches of the test split: {test['reconstruction_mse']:.4f}"
         lines += [f"{loss} (mean squared error per patch, {test['target']}; 1.0 is predicting the patch's mean).", ""]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import eval.feature_maps as feature_maps
 import eval.linear_probe as linear_probe
 import moonvit.__main__ as moonvit_main
 import projector.export as export
@@ -97,6 +98,7 @@ PARSERS = {
     "python -m moonvit": moonvit_main.build_parser,
     "projector.export": export.build_parser,
     "eval.linear_probe": linear_probe.build_parser,
+    "eval.feature_maps": feature_maps.build_parser,
     "python -m train": train_config.build_parser,
     **{name: functools.partial(benchmark_parser, name) for name in BENCHMARK_SCRIPTS},
 }

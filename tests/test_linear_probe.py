@@ -82,6 +82,7 @@ def test_metrics_of_known_logits():
 
 
 FAST = ["--min-steps", "150", "--lrs", "0.01", "0.1", "--weight-decays", "0", "1e-2", "--threads", "2"]
+FAST += ["--logreg-Cs", "0.1"]  # scikit-learn's logistic regression: one C (its grid is tested in test_knn.py)
 
 
 def test_cli_on_digits_writes_results_and_reuses_features(tmp_path, capsys):
@@ -95,9 +96,13 @@ def test_cli_on_digits_writes_results_and_reuses_features(tmp_path, capsys):
     assert saved["encoder"]["checkpoint_hash"] == first["encoder"]["checkpoint_hash"]
     assert saved["preprocessing"]["resize"]["short_side"] == 56 and saved["threads"] == 2
     assert Image.open(out / "confusion_mean.png").size[0] > 300 and (tmp_path / "feature-cache").is_dir()
+    assert saved["runs"][1]["knn"]["test_top1"]["10"] >= 0.9 and saved["runs"][1]["logreg"]["test_top1"] >= 0.9
     second = main(args)
     assert second["runs"][0]["cache_hit"] == {"train": True, "test": True}
     assert second["top1"] == first["top1"] and second["chosen"] == first["chosen"]  # deterministic
+    assert second["knn_top1"] == first["knn_top1"] and second["logreg_top1"] == first["logreg_top1"]
+    # a row per view and run, in the CSV beside the output folder (as the feature cache)
+    assert len((tmp_path / "probe_results.csv").read_text().splitlines()) == 1 + 2 * 2
 
 
 def test_cli_probes_a_checkpoint_folder(tmp_path):

@@ -17,7 +17,8 @@ from eval.pictures import position_similarity, resampled_table
 from moonvit import MoonViT, MoonViTImageProcessor
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
-SHIPPED = ("fm-supervised", "fm-mae", "fm-mae-ft")
+SHIPPED = ("fm-supervised", "fm-mae", "fm-mae-ft", "fm-distilled")
+WIDTH = {"fm-distilled": 96}
 needs_fashion_mnist = pytest.mark.skipif(
     not DEFAULT_FASHION_MNIST_DIR.is_dir(), reason="Fashion-MNIST (Debian's dataset-fashion-mnist) not installed"
 )
@@ -31,10 +32,11 @@ def test_a_shipped_checkpoint_loads_and_encodes(name):
         assert (folder / file).is_file(), f"{name} lacks {file}"
     encoder = MoonViT.from_pretrained(folder, dtype=torch.float32)
     processor = MoonViTImageProcessor.from_pretrained(folder)
-    assert (encoder.config.num_hidden_layers, encoder.config.hidden_size) == (4, 192)
+    width = WIDTH.get(name, 192)
+    assert (encoder.config.num_hidden_layers, encoder.config.hidden_size) == (4, width)
     batch = processor(torch.zeros(3, 56, 84, dtype=torch.uint8))
     out = encoder(batch.pixel_values, batch.grid_hws)
-    assert out.last_hidden_state.shape == (4 * 6, 192) and torch.isfinite(out.last_hidden_state).all()
+    assert out.last_hidden_state.shape == (4 * 6, width) and torch.isfinite(out.last_hidden_state).all()
 
 
 @pytest.mark.parametrize("name", SHIPPED)

@@ -4,16 +4,17 @@ augmentation), the validation record, and the objective's picture of a few held-
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .batch import ImageSource, render_pack
+from .batch import Batch, ImageSource, render_pack
 from .plan import PlannedImage, eval_packs
 from .trainer import Trainer
 
-__all__ = ["draw", "evaluate", "validate"]
+__all__ = ["calibrate", "draw", "evaluate", "validate"]
 
 
 def evaluate(
@@ -56,6 +57,27 @@ def evaluate(
     pairs = [(i, row) for part in ranks.all_gather(mine) for ids, rows in part for i, row in zip(ids, rows)]
     ordered = sorted(pairs, key=lambda pair: pair[0])
     return means, torch.stack([row for _, row in ordered])
+
+
+def calibrate(trainer: Trainer) -> dict[str, Any]:
+    """The objective's calibration pass (:meth:`~train.objectives.Objective.calibrate`) on the first
+    ``calibration_images`` training images at the evaluation resolution, every patch, no
+    augmentation: the same images and packs on every rank, so no rank needs another's result."""
+    objective = trainer.objective
+    count = min(objective.calibration_images, len(trainer.data.train))
+    if count == 0:
+        return {}
+    train = trainer.data.train
+    source = ImageSource(train.split, train.processor, train.rows[:count], train.split_sizes)
+    grids = trainer.plan.eval_grids(source)
+
+    def batches() -> Iterator[Batch]:
+        for pack in eval_packs(grids, trainer.config.batch_patches):
+            items = [PlannedImage(i, *grids[i], grids[i][0] * grids[i][1], 0) for i in pack]
+            yield render_pack(items, source, trainer.encoder.config, None, full_pixels=True).to(trainer.device)
+
+    with torch.no_grad(), trainer.autocast():
+        return {"images": count, **objective.calibrate(batches())}
 
 
 def validate(trainer: Trainer) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from .build import TrainError, build_encoder, build_plan, describe, steps_for_ep
 from .checkpoint import RunMismatch, check_same_run, load_state, save_state, state_path
 from .config import TrainConfig, parse_args, run_defining
 from .data import UNLABELLED_PREFIX, DataError, load_training_data
-from .evaluation import draw, evaluate, validate
+from .evaluation import calibrate, draw, evaluate, validate
 from .log import MetricsLog, plot_curves
 from .objectives import OBJECTIVES
 from .trainer import Trainer
@@ -121,6 +121,11 @@ def run(config: TrainConfig, ranks: Ranks, device: torch.device) -> dict[str, An
                 stacklevel=1,
             )
     trainer = Trainer(config, ranks, device, encoder, processor, objective, data, plan)
+    if saved is None and objective.calibration_images:
+        summary = calibrate(trainer)  # a resumed run restores what it set, with the objective's state
+        if ranks.is_main:
+            described = ", ".join(f"{k} {v:g}" for k, v in summary.items())
+            print(f"{config.objective}: calibrated on {described}", flush=True)
 
     calibration: dict[str, float] = {}
     if saved is not None:

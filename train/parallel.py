@@ -59,8 +59,9 @@ class Parallel:
                 fully_shard(block, mesh=mesh)
             fully_shard(module, mesh=mesh)
         elif ranks.distributed:
-            # The module has no buffers, so DDP's default buffer sync has nothing to do (and passing
-            # broadcast_buffers, deprecated in newer torch, prints a warning on every rank).
+            # Buffers (a distillation teacher's statistics) are the same on every rank, so DDP's
+            # default buffer sync changes nothing (and passing broadcast_buffers, deprecated in newer
+            # torch, prints a warning on every rank).
             self.runner = DistributedDataParallel(module)
 
     def __call__(self, batch: Any, evaluate: bool = False) -> ObjectiveOutput:

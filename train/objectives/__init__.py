@@ -7,9 +7,12 @@ entry in :data:`OBJECTIVES`; ``python -m train --objective NAME`` then runs it o
 from __future__ import annotations
 
 from .base import Objective, ObjectiveOutput
+from .distill import DistillObjective
 from .mae import MAEObjective
 from .supervised import SupervisedObjective
 
-__all__ = ["OBJECTIVES", "MAEObjective", "Objective", "ObjectiveOutput", "SupervisedObjective"]
+__all__ = ["OBJECTIVES", "DistillObjective", "MAEObjective", "Objective", "ObjectiveOutput", "SupervisedObjective"]
 
-OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (SupervisedObjective, MAEObjective)}
+OBJECTIVES: dict[str, type[Objective]] = {
+    cls.name: cls for cls in (SupervisedObjective, MAEObjective, DistillObjective)
+}

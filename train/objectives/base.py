@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
@@ -65,8 +65,10 @@ class Objective(nn.Module, ABC):
     The engine asks an objective for: its defaults of two engine flags (AdamW's betas, stochastic
     depth), whether it needs labels (:attr:`needs_labels`: a self-supervised objective trains on a
     folder of unlabelled images), its losses and sums, the metrics it reports from them
-    (:meth:`metrics`), and a hook after each optimizer step (:meth:`after_step`: an EMA teacher
-    for distillation or self-distillation updates there).
+    (:meth:`metrics`), a hook after each optimizer step (:meth:`after_step`: an EMA teacher
+    for self-distillation updates there), and a calibration pass before step 0
+    (:meth:`calibrate` on :attr:`calibration_images` training images: a distillation teacher's
+    feature statistics).
     """
 
     name: ClassVar[str]
@@ -82,6 +84,8 @@ class Objective(nn.Module, ABC):
     """AdamW's betas unless ``--betas`` says otherwise."""
     default_drop_path: ClassVar[float] = 0.05
     """Stochastic depth at the last block unless ``--drop-path`` says otherwise."""
+    calibration_images: int = 0
+    """Training images :meth:`calibrate` sees before step 0 (0: no calibration pass)."""
     Options: ClassVar[type] = NoOptions
     """The dataclass of its own options, one field per flag it adds (same names)."""
 
@@ -108,6 +112,13 @@ class Objective(nn.Module, ABC):
     def metrics(self, means: dict[str, float]) -> dict[str, float]:
         """What to report from the step's or an evaluation's mean sums (``loss`` and :attr:`sum_names`),
         e.g. ``{"top1": ...}``; the loss is reported by the engine."""
+        return {}
+
+    def calibrate(self, batches: Iterable[Batch]) -> dict[str, Any]:
+        """Measure what the objective needs from the data before step 0, from the first
+        :attr:`calibration_images` training images (every patch, no augmentation, the same on every
+        rank); what it sets must be in its state dict (a resumed run restores it, not calibrates).
+        Returns a summary for the log. Nothing by default."""
         return {}
 
     def after_step(self) -> None:
