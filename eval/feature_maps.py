@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from moonvit import MoonViT, MoonViTImageProcessor
+from moonvit import MoonViT, MoonViTImageProcessor, load_image
 from moonvit.cli import (
     add_seed_argument,
     add_threads_argument,
@@ -139,9 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         resize = ResizePolicy(args.short_side)
         pictures = []
         for row in sorted(rows.tolist()):
-            image = test.images[row]
-            loaded = Image.fromarray(image) if isinstance(image, np.ndarray) else Image.open(image)
-            pictures.append(resize(loaded.convert("RGB")))
+            pictures.append(resize(load_image(test.images[row])))
         maps: dict[str, list[torch.Tensor]] = {}
         reference = None
         for folder in args.checkpoint:

@@ -19,34 +19,13 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
+from test_train import REPO, free_port, train, weights
 
 from moonvit.distributed import Ranks, process_group_backend
 from train.config import parse_args
-from train.loop import main
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = ["--preset", "tiny", "--dataset", "digits", "--threads", "1", "--no-progress", "--resolution", "28"]
 SUPERVISED = ["--objective", "supervised", *TINY, "--batch-patches", "1024", "--evals", "1", "--hflip", "0"]
-
-
-def train(*args: str | Path) -> dict:
-    previous = torch.get_num_threads()
-    try:
-        return main([str(a) for a in args])
-    finally:
-        torch.set_num_threads(previous)
-
-
-def weights(out: Path) -> dict[str, torch.Tensor]:
-    return load_file(out / "checkpoint" / "model.safetensors")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(ranks: int, args: list, out: Path) -> list[str]:

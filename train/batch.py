@@ -29,7 +29,7 @@ from moonvit import (
 from .augment import AugmentConfig, Mixed, augment_image, mix_images
 from .plan import PlannedImage
 
-__all__ = ["Batch", "ImageSource", "UnreadableImageError", "render_pack"]
+__all__ = ["Batch", "ImageSource", "UnreadableImageError", "kept_rows", "render_pack"]
 
 
 class UnreadableImageError(ValueError):
@@ -131,6 +131,17 @@ class Batch:
             None if self.full_pixels is None else self.full_pixels.to(device),
             None if self.keep is None else [k.to(device) for k in self.keep],
         )
+
+
+def kept_rows(grid_thws: torch.Tensor, keep: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(K,) int64 rows of the kept patches in the pack of the full images.
+
+    ``grid_thws`` (N, 3) are the images' full grids; ``keep`` per image, its kept patches (sorted
+    indices into its raster, as :attr:`Batch.keep`).
+    """
+    sizes = grid_thws.prod(dim=1)
+    starts = sizes.cumsum(0) - sizes
+    return torch.cat([start + k.to(starts.device) for start, k in zip(starts, keep)])
 
 
 def render_pack(

@@ -46,32 +46,20 @@ from moonvit import CheckpointError, MoonViT, MoonViTImageProcessor, build_packe
 from moonvit.cli import checkpoint_source, non_negative_float, positive_int
 from moonvit.files import save_safetensors_atomic
 
-from ..batch import Batch
+from ..batch import Batch, kept_rows
 from ..plan import PlannedImage
 from .base import Objective, ObjectiveOutput
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
 
-__all__ = ["ADAPTER_FILE", "DistillObjective", "TeacherError", "kept_rows"]
+__all__ = ["ADAPTER_FILE", "DistillObjective", "TeacherError"]
 
 ADAPTER_FILE = "distill_adapter.safetensors"
 
 
 class TeacherError(ValueError):
     """A ``--teacher`` that cannot be loaded or cannot see the student's patches."""
-
-
-def kept_rows(grid_thws: torch.Tensor, keep: Sequence[torch.Tensor] | None) -> torch.Tensor | None:
-    """(K,) int64 rows of the kept patches in the pack of full images, or None when all are kept.
-
-    ``grid_thws`` (N, 3) are the images' full grids; ``keep`` per image, its kept patches.
-    """
-    if keep is None:
-        return None
-    sizes = grid_thws.prod(dim=1)
-    starts = sizes.cumsum(0) - sizes
-    return torch.cat([start + k.to(starts.device) for start, k in zip(starts, keep)])
 
 
 class Adapter(nn.Sequential):
@@ -243,9 +231,8 @@ class DistillObjective(Objective):
         prediction = self.adapter(student)
         prediction = prediction.to(torch.promote_types(prediction.dtype, torch.float32))
         target = self.teacher_tokens(batch)
-        rows = kept_rows(batch.grid.grid_thws, batch.keep)
-        if rows is not None:
-            target = target.index_select(0, rows.to(target.device))
+        if batch.keep is not None:
+            target = target.index_select(0, kept_rows(batch.grid.grid_thws, batch.keep).to(target.device))
         target = target.to(prediction.dtype)
         cosine = F.cosine_similarity(prediction, target, dim=1)
         l1 = F.smooth_l1_loss(prediction, target, reduction="none").mean(dim=1)

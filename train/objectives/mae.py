@@ -36,7 +36,7 @@ from moonvit.files import save_safetensors_atomic
 from moonvit.model.attention import bind_attention, resolve_attn_implementation
 from moonvit.model.blocks import Block, make_norm
 
-from ..batch import Batch
+from ..batch import Batch, kept_rows
 from ..plan import PlannedImage, TokenDrop
 from .base import Objective, ObjectiveOutput
 
@@ -189,8 +189,7 @@ class MAEObjective(Objective):
         """
         encoded = encoder(pixel_values, grid=grid).last_hidden_state  # (K, D)
         full = build_packed_grid(grid.grid_thws, self.decoder_config, encoded.device)
-        starts = full.cu_seqlens[:-1].long()
-        visible = torch.cat([start + k for start, k in zip(starts, keep)])
+        visible = kept_rows(full.grid_thws, keep)
         masked = torch.ones(full.num_patches, dtype=torch.bool, device=encoded.device)
         masked[visible] = False
         tokens = self.embed(encoded)
@@ -220,8 +219,7 @@ class MAEObjective(Objective):
         generator = torch.Generator().manual_seed(EVAL_MASK_SEED)
         thws = batch.grid.grid_thws.cpu()
         keep = random_keep(thws, self.mask_ratio, generator)
-        starts = batch.grid.cu_seqlens[:-1].long().cpu()
-        rows = torch.cat([start + k for start, k in zip(starts, keep)]).to(batch.pixel_values.device)
+        rows = kept_rows(thws, keep).to(batch.pixel_values.device)
         config = encoder.config
         assert isinstance(config, MoonViTConfig)
         grid = build_packed_grid(thws, config, batch.pixel_values.device, keep=keep)
