@@ -11,6 +11,7 @@ ratio, and how many forwards it takes for the compile time to pay back.
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 import time
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
             print(lines[-1], flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        command = " ".join(["python benchmarks/bench_compile.py", *(sys.argv[1:] if argv is None else argv)])
+        command = shlex.join(["python", "benchmarks/bench_compile.py", *(sys.argv[1:] if argv is None else argv)])
         args.out.write_text(f"```\n{command}\n```\n\n" + "\n".join(lines) + "\n")
 
 

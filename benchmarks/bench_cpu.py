@@ -11,12 +11,15 @@ peak, scaled from --depth to the full 27 blocks by the per-block time), the
 ratio to transformers, the fixed per-call cost (depth 0; this encoder runs
 with its opt-in position cache on, and is also timed with its grid and
 position caches cleared before every call, as for a pack never seen before)
-and the peak memory a forward adds (Linux).
+and the peak memory a forward adds (Linux). Before the tower tables, each attention
+backend (sdpa, flex, and both with head_dim 72 zero-padded to 80 and 96) is timed on
+each pack's whole attention call, in GFLOP/s, beside the matmul peak.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 from collections.abc import Callable
@@ -28,6 +31,10 @@ from k3_baseline import K3Baseline
 
 from moonvit import MoonViT, preset_config
 from moonvit.cli import DTYPES, add_threads_argument, apply_threads, dtype_name, output_file, positive_int
+from moonvit.model import flex
+from moonvit.model.attention import AttentionFn, get_attention
+from moonvit.model.flex import flex_unavailable
+from moonvit.model.grid import PackedGrid, build_packed_grid
 from moonvit.weights.transformers import to_transformers
 
 
@@ -144,15 +151,61 @@ def profile_shares(fn: Callable, pixels: torch.Tensor, grids: torch.Tensor) -> d
     return {kind: value / total for kind, value in shares.items()}
 
 
-def sdpa_gflops(
-    seqlen: int, batch: int, dtype: torch.dtype, repeats: int = 2, heads: int = 16, head_dim: int = 72
-) -> float:
-    """FLOP/s of torch's SDPA on (batch, heads, seqlen, head_dim) in ``dtype``: K2.5's attention
-    shape by default (16 x 72), K3's with 12 x 128."""
-    q, k, v = (torch.randn(batch, heads, seqlen, head_dim).to(dtype) for _ in range(3))
-    F.scaled_dot_product_attention(q, k, v)
-    best = min(seconds(lambda: F.scaled_dot_product_attention(q, k, v)) for _ in range(repeats))
-    return 4 * batch * heads * seqlen**2 * head_dim / best
+PADDED_HEAD_DIMS = (80, 96)
+"""head_dims the attention table also pads 72 to: AMX takes bf16 K in multiples of 32 (zeros change nothing)."""
+
+
+def zero_padded(fn: AttentionFn, width: int) -> AttentionFn:
+    """``fn`` on q, k, v padded with zeros to ``width`` channels per head (q rescaled so the softmax
+    scale stays 1 / sqrt(head_dim)); the extra output channels are dropped."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: PackedGrid) -> torch.Tensor:
+        head_dim = q.shape[-1]
+        pad = (0, width - head_dim)
+        q, k, v = F.pad(q * (width / head_dim) ** 0.5, pad), F.pad(k, pad), F.pad(v, pad)
+        return fn(q, k, v, grid)[..., :head_dim]
+
+    return attend
+
+
+def attention_table(args: argparse.Namespace, dtype_key: str, heads: int, head_dim: int) -> list[str]:
+    """GFLOP/s (useful FLOPs, 4 * sum(L_i^2) * heads * head_dim) of each attention backend on each pack's
+    attention call as the encoder makes it, interleaved; head_dim 72 also zero-padded to 80 and 96."""
+    dtype = DTYPES[dtype_key]
+    contenders: dict[str, AttentionFn] = {}
+    for backend in ("sdpa", "flex"):
+        if backend == "flex" and flex_unavailable(torch.device("cpu"), dtype) is not None:
+            continue
+        contenders[backend] = get_attention(backend)
+        for width in PADDED_HEAD_DIMS if head_dim == 72 else ():
+            contenders[f"{backend} {head_dim}->{width}"] = zero_padded(get_attention(backend), width)
+    config = preset_config("so400m-3d")
+    lines = [
+        f"Attention GFLOP/s ({dtype_key}, {heads} heads, head_dim {head_dim}; the whole pack's attention call, "
+        "flex compiled beforehand):",
+        "",
+        "| pack | " + " | ".join(contenders) + " |",
+        "|---|" + "---|" * len(contenders),
+    ]
+    print("\n".join(lines))
+    for pack_name in args.packs:
+        grid = build_packed_grid(as_thw(PACKS[pack_name]), config)
+        q, k, v = (torch.randn(grid.num_patches, heads, head_dim).to(dtype) for _ in range(3))
+        flops = 4 * heads * head_dim * sum(n * n for n in grid.seqlens)
+        timed = time_interleaved({name: lambda q, g, fn=fn: fn(q, k, v, g) for name, fn in contenders.items()},
+                                 q, grid, args.repeats)  # fmt: skip
+        lines.append(f"| {pack_name} | " + " | ".join(f"{flops / timed[n] / 1e9:.0f}" for n in contenders) + " |")
+        print(lines[-1], flush=True)
+    widths = {head_dim, *(PADDED_HEAD_DIMS if head_dim == 72 else ())}
+    compiles = [
+        f"{key[3]}: {s:.1f} s" for key, s in flex.first_call_seconds().items() if key[1] == dtype and key[3] in widths
+    ]
+    if compiles:
+        lines += ["", "flex's first call per head_dim (compile included; later pack sizes reuse it): "
+                  + ", ".join(compiles)]  # fmt: skip
+        print("\n".join(lines[-2:]))
+    print()
+    return [*lines, ""]
 
 
 def build_k3(depth: int, dtype: torch.dtype) -> dict[str, Callable]:
@@ -168,21 +221,21 @@ def build_k3(depth: int, dtype: torch.dtype) -> dict[str, Callable]:
 def k3_rows(args: argparse.Namespace, peak: float) -> list[str]:
     """bf16 rows of Kimi K3's tower against the plain per-segment peer, as the K2.5 table."""
     cfg = preset_config("moonvit-v2")
-    shapes = sorted({(int(n), 1) for name in args.packs for n in as_thw(PACKS[name]).prod(dim=1).tolist()})
-    attention = [f"L={n}: {sdpa_gflops(n, b, torch.bfloat16, heads=12, head_dim=128) / 1e9:.0f}" for n, b in shapes]
     lines = [
         "",
         f"Kimi K3 (MoonViT-V2: 27 x 1024, attention 1536, 12 heads of 128, RMSNorm, no biases), bf16, depth "
         f"{args.depth}, against a straightforward implementation (benchmarks/k3_baseline.py: packed linears, "
         "one SDPA call per item):",
         "",
-        "SDPA GFLOP/s (bf16, 12 heads, head_dim 128): " + ", ".join(attention),
-        "",
+    ]
+    print("\n".join(lines))
+    lines += attention_table(args, "bf16", heads=12, head_dim=128)
+    lines += [
         "| pack | ours patches/s | peer patches/s | ratio | ours patches/s @27 | ours MFU | peer MFU "
         "| ours fixed ms | peer fixed ms | max rel diff |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    print("\n".join(lines))
+    print("\n".join(lines[-3:]))
     full, empty = build_k3(args.depth, torch.bfloat16), build_k3(0, torch.bfloat16)
     for pack_name in args.packs:
         grid_list = PACKS[pack_name]
@@ -228,6 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=output_file, help="also write the tables (markdown) here")
     parser.add_argument("--no-extras", action="store_true", help="skip the memory-scaling and profile tables")
     parser.add_argument(
+        "--attention",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time the attention backends (sdpa, flex, head_dim padded) on each pack's attention call (default: on)",
+    )
+    parser.add_argument(
         "--towers",
         nargs="+",
         choices=("k25", "k3"),
@@ -250,15 +309,11 @@ def main(argv: list[str] | None = None) -> None:
     ]
     peaks = {name: matmul_peak(DTYPES[name]) for name in args.dtypes}
     lines += ["matmul peak 4096^3: " + ", ".join(f"{n} {p / 1e9:.0f} GFLOP/s" for n, p in peaks.items()), ""]
-    # torch's CPU attention kernel on this host, at the packs' sequence lengths (batched as the encoder does)
-    shapes = sorted({(int(n), sum(1 for m in as_thw(PACKS[name]).prod(dim=1).tolist() if m == n))
-                     for name in args.packs for n in as_thw(PACKS[name]).prod(dim=1).tolist()})  # fmt: skip
+    print("\n".join(lines))
     if "k25" in args.towers:
-        attention = [
-            f"L={n} x{b}: {sdpa_gflops(n, b, DTYPES[d]) / 1e9:.0f}" for n, b in shapes for d in args.dtypes[:1]
-        ]
-        lines += [f"SDPA GFLOP/s ({args.dtypes[0]}, 16 heads, head_dim 72): " + ", ".join(attention), ""]
-        lines += [
+        for dtype_key in args.dtypes if args.attention else ():
+            lines += attention_table(args, dtype_key, heads=16, head_dim=72)
+        header = [
             "Kimi-K2.5 tower (27 x 1152) against transformers' Kimi_K25VisionModel:",
             "",
             "| pack | dtype | ours patches/s | peer patches/s | ratio | ours patches/s @27 | peer patches/s @27 "
@@ -266,7 +321,8 @@ def main(argv: list[str] | None = None) -> None:
             "| ours fixed ms, new grid | peer fixed ms | fixed ratio | ours peak MiB | peer peak MiB |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-    print("\n".join(lines))
+        print("\n".join(header))
+        lines += header
     for dtype_key in args.dtypes if "k25" in args.towers else ():
         dtype = DTYPES[dtype_key]
         contenders = build(args.depth, dtype)
@@ -318,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
             lines.append(line)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        command = " ".join(["python benchmarks/bench_cpu.py", *(sys.argv[1:] if argv is None else argv)])
+        command = shlex.join(["python", "benchmarks/bench_cpu.py", *(sys.argv[1:] if argv is None else argv)])
         args.out.write_text(f"```\n{command}\n```\n\n" + "\n".join(lines) + "\n")
 
 

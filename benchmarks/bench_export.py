@@ -4,9 +4,11 @@ Builds a checkpoint folder (encoder preset, a "kimi" projector into ``--llm-hidd
 with ``--in-token-limit``) and ``--images`` JPEG files of assorted sizes (thumbnails to 1280x720)
 in a temporary folder, then times one export into an empty output folder (loading, planning,
 decoding, encoding, projecting, writing shards and the manifest) and a rerun of the finished
-export (which only checks run.json and reassembles the manifest).
+export (which only checks run.json and reassembles the manifest). With ``--workers 0 1 2`` the
+export runs once per count into folders of its own, side by side: the share of the encode loop
+spent waiting for decoded images, images/s, and whether the folders are byte-identical.
 
-Example: python benchmarks/bench_export.py --threads 2
+Example: python benchmarks/bench_export.py --threads 2 --workers 0 1
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ import torch
 from PIL import Image
 
 from moonvit import PRESETS, MoonViT, MoonViTImageProcessor
-from moonvit.cli import add_budget_argument, add_dtype_argument, add_threads_argument, apply_threads, positive_int
+from moonvit.cli import (
+    add_budget_argument,
+    add_dtype_argument,
+    add_threads_argument,
+    apply_threads,
+    non_negative_int,
+    positive_int,
+)
 from projector import MoonViTProjector, ProjectorConfig
 from projector.export import main as export_main
 
@@ -72,7 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_dtype_argument(parser, "bf16", "export dtype")
     parser.add_argument("--shard-size", type=positive_int, default=32, help="images per shard (default: 32)")
     add_budget_argument(parser, default=4096)
+    parser.add_argument(
+        "--workers", type=non_negative_int, nargs="+", default=[0],
+        help="decoding threads to compare, one export each (default: 0)",
+    )  # fmt: skip
     return parser
+
+
+def folder_bytes(out: Path) -> dict[str, bytes]:
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,47 +100,42 @@ def main(argv: list[str] | None = None) -> None:
         root = Path(tmp)
         checkpoint = build_checkpoint(root / "ckpt", args.preset, args.llm_hidden, args.in_token_limit)
         write_images(root / "images", args.images)
-        command = [
-            "--inputs",
-            str(root / "images"),
-            "--checkpoint",
-            str(checkpoint),
-            "--out",
-            str(root / "out"),
-            "--store",
-            args.store,
-            "--dtype",
-            args.dtype,
-            "--shard-size",
-            str(args.shard_size),
-            "--max-patches-per-pack",
-            str(args.max_patches_per_pack),
-            "--device",
-            "cpu",
-            "--threads",
-            str(torch.get_num_threads()),
-        ]
-        start = time.perf_counter()
-        summary = export_main(command)
-        wall = time.perf_counter() - start
-        start = time.perf_counter()
-        export_main(command)
-        rerun = time.perf_counter() - start
-        shard_bytes = sum(p.stat().st_size for p in (root / "out").glob("shard-*.safetensors"))
+        common = ["--inputs", str(root / "images"), "--checkpoint", str(checkpoint), "--store", args.store]
+        common += ["--dtype", args.dtype, "--shard-size", str(args.shard_size), "--device", "cpu"]
+        common += ["--max-patches-per-pack", str(args.max_patches_per_pack), "--threads", str(torch.get_num_threads())]
+        runs = {}
+        for workers in args.workers:
+            out = root / f"out-{workers}"
+            command = [*common, "--out", str(out), "--workers", str(workers)]
+            start = time.perf_counter()
+            summary = export_main(command)
+            wall = time.perf_counter() - start
+            start = time.perf_counter()
+            export_main(command)
+            rerun = time.perf_counter() - start
+            shard_bytes = sum(p.stat().st_size for p in out.glob("shard-*.safetensors"))
+            runs[workers] = (summary, wall, rerun, shard_bytes, folder_bytes(out))
 
-    print(
-        f"\nexport of {summary['images']} images ({summary['failed']} failed), preset {args.preset}, "
-        f"store {args.store}, {args.dtype}, {torch.get_num_threads()} threads"
-    )
-    print(
-        f"  encode loop: {summary['images_per_s']:.1f} images/s, {summary['tokens_per_s']:.0f} tokens/s "
-        f"({summary['tokens_this_run']} tokens in {summary['seconds']:.2f} s)"
-    )
-    print(
-        f"  whole command (load, plan, encode, write, assemble): {wall:.2f} s, "
-        f"{summary['images'] / wall:.1f} images/s; shards {shard_bytes / 2**20:.1f} MiB"
-    )
-    print(f"  rerun of the finished export: {rerun:.2f} s")
+    first = runs[args.workers[0]][4]
+    for workers, (summary, wall, rerun, shard_bytes, files) in runs.items():
+        print(
+            f"\nexport of {summary['images']} images ({summary['failed']} failed), preset {args.preset}, "
+            f"store {args.store}, {args.dtype}, {torch.get_num_threads()} threads, --workers {workers}"
+        )
+        print(
+            f"  encode loop: {summary['images_per_s']:.1f} images/s, {summary['tokens_per_s']:.0f} tokens/s "
+            f"({summary['tokens_this_run']} tokens in {summary['seconds']:.2f} s); "
+            f"{summary['data_share']:.0%} of it waiting for decoded images"
+        )
+        print(
+            f"  whole command (load, plan, encode, write, assemble): {wall:.2f} s, "
+            f"{summary['images'] / wall:.1f} images/s; shards {shard_bytes / 2**20:.1f} MiB"
+        )
+        print(f"  rerun of the finished export: {rerun:.2f} s")
+        if workers != args.workers[0]:
+            # run.json names no worker count, so the folders compare whole
+            same = "byte-identical to" if files == first else "DIFFERENT from"
+            print(f"  output folder {same} --workers {args.workers[0]}'s")
 
 
 if __name__ == "__main__":

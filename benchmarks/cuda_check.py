@@ -1,15 +1,16 @@
 """Check the CUDA paths of the encoder against its CPU float32 output, with pass / fail lines.
 
 Runs every attention backend that can run on the device (flash_attention_2 where
-flash-attn is installed, sdpa, eager on small packs) in bf16 on mixed packs and a
-K2.5 video pack, and checks:
+flash-attn is installed, sdpa, flex on CUDA, eager on small packs) in bf16 on mixed
+packs and a K2.5 video pack, and checks:
 
 - accuracy: each backend within 2e-2 relative (L2) of the same weights run on the CPU in float32;
 - backward: a loss's gradient with respect to the pixels is finite;
 - memory: the peak a forward adds grows linearly with the patches (packs of 8, 32 and 128
   16x16 images: per-patch peak within 2x of the smallest pack's), far under one L x L matrix;
 - speed: MFU (model matmul FLOPs, attention included, over the measured bf16 matmul peak)
-  of at least 45% at 1792x1792 with flash-attn's varlen kernel.
+  of at least 45% at 1792x1792 with flash-attn's varlen kernel; every backend's MFU at
+  1792x1792 is printed beside it, and flex's first call (its compile included) is reported.
 
     python benchmarks/cuda_check.py --out outputs/cuda_check.json        # the real so400m tower
     python benchmarks/cuda_check.py --device cpu --preset tiny --no-speed  # a smoke run without a GPU
@@ -31,6 +32,7 @@ from common import as_thw, matmul_peak, model_flops
 from moonvit import PRESETS, MoonViT
 from moonvit.cli import device_name, output_file, positive_int
 from moonvit.model.attention import flash_attn_installed
+from moonvit.model.flex import first_call_seconds, flex_unavailable
 
 PACKS: dict[str, list[tuple[int, ...]]] = {
     "448x448": [(32, 32)],
@@ -106,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     config = model.config
 
     backends = ["sdpa", "eager"] + (["flash_attention_2"] if flash_attn_installed() and device.type == "cuda" else [])
+    if device.type == "cuda" and flex_unavailable(device, torch.bfloat16) is None:
+        backends.append("flex")  # CPU flex has no backward; the CPU tests cover its forward
     report: dict = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
         "torch": torch.__version__,
@@ -157,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
             if name == "1792x1792" and backend == "flash_attention_2" and not args.no_speed:
                 check(report, "MFU flash 1792x1792", row["mfu"] >= MIN_FLASH_MFU_1792,
                       f"{row['mfu']:.0%} (at least {MIN_FLASH_MFU_1792:.0%})")  # fmt: skip
+    at_1792 = {row["backend"]: row["mfu"] for row in report["results"] if row["pack"] == "1792x1792"}
+    print("MFU at 1792x1792: " + ", ".join(f"{backend} {mfu:.0%}" for backend, mfu in at_1792.items()))
+    report["flex_first_call_s"] = {str(key[:4]): s for key, s in first_call_seconds().items()}
+    if report["flex_first_call_s"]:
+        print(f"flex first calls (compile included): {report['flex_first_call_s']}")
     if device.type == "cuda":
         model.set_attn_implementation("auto")
         peaks = {}

@@ -32,13 +32,15 @@ from moonvit import (
     MoonViTOutput,
     PackedGrid,
     VisionEncoder,
-    encode_pack,
     load_image,
     pack_images,
     pool_features,
 )
+from moonvit.encode import ProcessedPack, encode_processed, process_pack
 from moonvit.files import save_safetensors_atomic
 from moonvit.media.image import ImageInput
+from moonvit.media.packing import Pack
+from moonvit.prefetch import prefetch
 
 from .datasets import Split
 from .encoder import FrozenEncoder
@@ -194,13 +196,17 @@ def extract_features(
     total: int | None = None,
     description: str = "features",
     timing: ForwardTiming | None = None,
+    workers: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Run the frozen encoder over ``images`` in packs of at most ``max_patches_per_pack`` patches.
 
     Images are loaded to RGB, resized by ``resize``, then packed with :func:`moonvit.pack_images`
     and encoded pack by pack (:func:`moonvit.encode_pack`) without autograd, with a tqdm bar over
     images. Only the hidden states a view needs are kept. ``timing``, when given, gains each
-    pack's image count and forward seconds.
+    pack's image count and forward seconds. ``workers`` threads run the processor on the next
+    packs while one encodes (:func:`moonvit.prefetch.prefetch`; the same features as 0). Loading
+    and resizing stay on this thread: for small images that work is Python, held by the GIL, and
+    threads only add their overhead (measured on Fashion-MNIST: 47.6 s inline, 62 s threaded).
 
     Returns:
         {view: (N, F) float32 on the CPU}, rows in input order.
@@ -208,19 +214,24 @@ def extract_features(
     views = tuple(views)
     chunks: dict[str, list[torch.Tensor]] = {view: [] for view in views}
     indices = LAST4 if "last4" in views else None
+
     resized = (resize(processor.load_image(image)) for image in images)
+
+    def decode(pack: Pack) -> ProcessedPack:
+        return process_pack(processor, pack)
+
     with (
         tqdm(total=total, desc=description, unit="img") as bar,
         torch.inference_mode(),
         _forward_seconds(model) as durations,
     ):
-        for pack in pack_images(resized, processor, max_patches_per_pack):
+        for pack, processed in prefetch(pack_images(resized, processor, max_patches_per_pack), decode, workers):
             started = time.perf_counter()
-            encoded = encode_pack(model, processor, pack, hidden_state_indices=indices)
+            encoded = encode_processed(model, processed, hidden_state_indices=indices)
             assert encoded.output is not None and encoded.grid is not None
             if timing is not None:
                 timing.images.append(len(pack.items))
-                # without hooks (not a torch module), the whole encode_pack call is timed
+                # without hooks (not a torch module), the whole encode_processed call is timed
                 timing.seconds.append(durations[-1] if durations is not None else time.perf_counter() - started)
             for view, value in encoder_views(encoded.output, encoded.grid, views).items():
                 chunks[view].append(value.cpu())
@@ -274,13 +285,14 @@ def split_features(
     cache: FeatureCache,
     max_patches_per_pack: int = DEFAULT_MAX_PATCHES_PER_PACK,
     timing: ForwardTiming | None = None,
+    workers: int = 0,
 ) -> tuple[torch.Tensor, bool]:
     """One view's (N, F) features of ``split``, from the cache or by running the encoder once.
 
     ``encoder`` may be None for the ``pixels`` view only. On a miss every view the encoder can
     give is extracted from the same forward and cached, so probing another view later does not
     re-run the encoder; ``timing`` then gains the forwards' seconds (a hit leaves it as it is).
-    ``pixels`` is computed, never cached.
+    ``pixels`` is computed, never cached. ``workers``: see :func:`extract_features`.
 
     Returns:
         (features, cache_hit).
@@ -315,6 +327,7 @@ def split_features(
         total=len(split),
         description=f"{dataset} {split_name}",
         timing=timing,
+        workers=workers,
     )
     for name, features in extracted.items():
         cache.save({**base, "view": name}, features)

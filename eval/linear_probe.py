@@ -43,6 +43,7 @@ from moonvit.cli import (
     add_seed_argument,
     add_side_limit_argument,
     add_threads_argument,
+    add_workers_argument,
     apply_threads,
     dtype_name,
     existing_folder,
@@ -117,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_argument(parser)
     add_dtype_argument(parser, None, "encoder dtype (default: the checkpoint's, fp32 for presets)")
     add_threads_argument(parser)
+    add_workers_argument(parser, "packs of images")
     add_seed_argument(parser, "seed of random init, splits and shuffles")
     parser.add_argument(
         "--short-side",
@@ -235,10 +237,12 @@ def probe_view(
     out: Path,
     knn: KnnConfig | None = None,
     logreg: LogRegConfig | None = None,
+    workers: int = 0,
 ) -> dict[str, Any]:
     """Features, probe, metrics and confusion PNG of one view, and on the same features the kNN
     classifier and the logistic regression (when configured) and, for an encoder view, the
-    encoder's images/s (``speed``: how it was measured): a ``runs`` entry of results.json."""
+    encoder's images/s (``speed``: how it was measured): a ``runs`` entry of results.json.
+    ``workers`` threads run the processor ahead of the encoder (the same features as 0)."""
     start = time.perf_counter()
     features, hits = {}, {}
     timing = ForwardTiming() if view != "pixels" and encoder is not None else None
@@ -256,6 +260,7 @@ def probe_view(
             cache=cache,
             max_patches_per_pack=max_patches_per_pack,
             timing=timing if name == "test" else None,
+            workers=workers,
         )
     features_s = time.perf_counter() - start
     speed = None
@@ -489,7 +494,18 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
     views = [args.features] + ([] if args.no_baseline or args.features == "pixels" else ["pixels"])
     runs = [
         probe_view(
-            view, dataset, encoder, config, cache, resize, args.max_patches_per_pack, args.device, out, knn, logreg
+            view,
+            dataset,
+            encoder,
+            config,
+            cache,
+            resize,
+            args.max_patches_per_pack,
+            args.device,
+            out,
+            knn,
+            logreg,
+            args.workers,
         )
         for view in views
     ]

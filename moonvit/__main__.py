@@ -27,6 +27,7 @@ from .cli import (
     add_seed_argument,
     add_side_limit_argument,
     add_threads_argument,
+    add_workers_argument,
     apply_threads,
     existing_path,
     exit_on,
@@ -111,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_argument(parser)
     add_attn_argument(parser)
     add_threads_argument(parser)
+    add_workers_argument(parser)
     add_budget_argument(parser)
     add_side_limit_argument(parser)
     add_seed_argument(parser, "seed of the random-init preset")
@@ -193,6 +195,7 @@ def run(args: argparse.Namespace) -> None:
             list(inputs.values()),
             max_patches_per_pack=args.max_patches_per_pack,
             video_processor=video_processor,
+            workers=args.workers,
         )
     )
     seconds = time.perf_counter() - start

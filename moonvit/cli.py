@@ -316,6 +316,17 @@ def add_threads_argument(parser: argparse.ArgumentParser | argparse._ArgumentGro
     )
 
 
+def add_workers_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, what: str = "packs") -> None:
+    """``--workers``: threads preparing the next units of work while this one runs (see
+    :func:`moonvit.prefetch.prefetch`); the results are the same as with 0."""
+    parser.add_argument(
+        "--workers",
+        type=non_negative_int,
+        default=0,
+        help=f"threads decoding the next {what} while this one runs; same results as 0 (default: 0, inline)",
+    )
+
+
 def apply_threads(threads: int | None) -> int:
     """Set torch's CPU thread count when given; return the count in effect."""
     if threads:

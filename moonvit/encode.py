@@ -24,6 +24,7 @@ from .media.video import MoonViTVideoProcessor, is_video
 from .model.encoder import MoonViTOutput
 from .model.grid import GridInput, PackedGrid, tokens_per_image
 from .model.interface import VisionEncoder
+from .prefetch import prefetch
 
 __all__ = [
     "EncodedImage",
@@ -133,13 +134,18 @@ class EncodedPack:
         return tokens.split(self.tokens_per_item)
 
 
+ProcessedPack = tuple[torch.Tensor, torch.Tensor, tuple[PackItem, ...], dict[tuple[int, int | None], str]]
+"""What :func:`process_pack` returns: (pixel_values (L, 3, p, p) float32, grid_thws (N, 3) int64,
+the decoded items, failures by item key)."""
+
+
 def process_pack(
     processor: MoonViTImageProcessor,
     pack: Pack,
     *,
     skip_errors: bool = False,
     video_processor: MoonViTVideoProcessor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, tuple[PackItem, ...], dict[tuple[int, int | None], str]]:
+) -> ProcessedPack:
     """Decode a pack's images and video chunks into one batch.
 
     Video chunks go through ``video_processor`` (default:
@@ -193,9 +199,16 @@ def encode_pack(
     Returns:
         the :class:`EncodedPack` (with no items when no image of the pack could be decoded).
     """
-    pixel_values, grid_thws, items, failures = process_pack(
-        processor, pack, skip_errors=skip_errors, video_processor=video_processor
-    )
+    processed = process_pack(processor, pack, skip_errors=skip_errors, video_processor=video_processor)
+    return encode_processed(encoder, processed, hidden_state_indices=hidden_state_indices)
+
+
+def encode_processed(
+    encoder: VisionEncoder, processed: ProcessedPack, *, hidden_state_indices: Sequence[int] | None = None
+) -> EncodedPack:
+    """The encoder's half of :func:`encode_pack`, on what :func:`process_pack` returned (which a
+    :func:`~moonvit.prefetch.prefetch` worker may have computed ahead)."""
+    pixel_values, grid_thws, items, failures = processed
     if not items:
         return EncodedPack((), None, None, encoder.config.merge_kernel_size, failures)
     grid = encoder.prepare_grid(grid_thws)
@@ -212,6 +225,7 @@ def iter_encode_images(
     max_patches_per_pack: int = DEFAULT_MAX_PATCHES_PER_PACK,
     output_device: torch.device | str = "cpu",
     video_processor: MoonViTVideoProcessor | None = None,
+    workers: int = 0,
 ) -> Iterator[EncodedImage]:
     """Encode ``images`` pack by pack, yielding each image's (each video chunk's) result, in input order.
 
@@ -228,6 +242,8 @@ def iter_encode_images(
         max_patches_per_pack: patch budget per encoder forward (see :func:`pack_images`).
         output_device: where the results are put.
         video_processor: for videos (default: :meth:`MoonViTVideoProcessor.for_images` of ``processor``).
+        workers: threads decoding the next packs while this one encodes (0: decode inline); the
+            results are the same either way.
 
     Raises:
         VideoNotSupportedError: a video for a tower that takes images only, before it is read.
@@ -240,8 +256,11 @@ def iter_encode_images(
                 videos.check_tower(encoder.config.max_frames, f"input {index} ({_name(source)}) is a video: it")
             yield source
 
-    for pack in pack_images(checked(), processor, max_patches_per_pack, videos):
-        encoded = encode_pack(encoder, processor, pack, video_processor=videos)
+    def decode(pack: Pack) -> ProcessedPack:
+        return process_pack(processor, pack, video_processor=videos)
+
+    for _, processed in prefetch(pack_images(checked(), processor, max_patches_per_pack, videos), decode, workers):
+        encoded = encode_processed(encoder, processed)
         assert encoded.grid is not None  # without skip_errors every item decodes or raises
         tokens = encoded.split_tokens(encoded.merged.to(output_device))
         for item, (_, h, w), item_tokens in zip(encoded.items, encoded.grid.grid_thws.tolist(), tokens):

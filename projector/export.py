@@ -53,6 +53,7 @@ from moonvit.cli import (
     add_dtype_argument,
     add_side_limit_argument,
     add_threads_argument,
+    add_workers_argument,
     apply_threads,
     existing_path,
     exit_on,
@@ -62,10 +63,11 @@ from moonvit.cli import (
     torch_dtype,
 )
 from moonvit.distributed import Ranks, close_ranks, init_ranks
-from moonvit.encode import EncodedPack, encode_pack
+from moonvit.encode import EncodedPack, ProcessedPack, encode_processed, process_pack
 from moonvit.files import files_below, save_safetensors_atomic, sha256_file, skipped_line, write_text_atomic
-from moonvit.media.packing import group_into_packs, plan_pack_item, plan_video_items
+from moonvit.media.packing import Pack, group_into_packs, plan_pack_item, plan_video_items
 from moonvit.media.video import VIDEO_EXTENSIONS, MoonViTVideoProcessor, is_video
+from moonvit.prefetch import prefetch
 from moonvit.weights.checkpoint import CheckpointError, update_weights_digest
 from moonvit.weights.hub import source_label
 
@@ -383,6 +385,8 @@ class ShardResult:
 
     images: list[dict[str, Any]]
     failures: list[dict[str, Any]]
+    data_s: float = 0.0
+    """Seconds the encoder loop waited for decoded packs (all of the decoding when it is inline)."""
 
     @property
     def num_tokens(self) -> int:
@@ -390,19 +394,31 @@ class ShardResult:
 
 
 def export_shard(
-    index: int, planned: Sequence[PlannedImage], models: Models, store: Sequence[str], budget: int, out: Path
+    index: int,
+    planned: Sequence[PlannedImage],
+    models: Models,
+    store: Sequence[str],
+    budget: int,
+    out: Path,
+    workers: int = 0,
 ) -> ShardResult:
-    """Encode one shard's inputs, then write its tensors and its part file, each atomically."""
+    """Encode one shard's inputs, then write its tensors and its part file, each atomically.
+    ``workers`` threads decode the next packs while one encodes (the same bytes as 0)."""
     Key = tuple[int, int | None]
     tensors: dict[Key, dict[str, torch.Tensor]] = {}
     reasons: dict[Key, str] = {}
-    for pack in group_into_packs((item for p in planned for item in p.items), budget):
-        encoded = encode_pack(
-            models.encoder, models.processor, pack, skip_errors=True, video_processor=models.video_processor
-        )
+
+    def decode(pack: Pack) -> ProcessedPack:
+        return process_pack(models.processor, pack, skip_errors=True, video_processor=models.video_processor)
+
+    data_s, ready = 0.0, time.perf_counter()
+    for _, processed in prefetch(group_into_packs((i for p in planned for i in p.items), budget), decode, workers):
+        data_s += time.perf_counter() - ready  # waiting for this pack's pixels
+        encoded = encode_processed(models.encoder, processed)
         reasons.update(encoded.failures)
         if encoded.items:
             tensors.update(stored_tensors(encoded, models, store))
+        ready = time.perf_counter()
     lines: list[dict[str, Any]] = []
     failures: list[dict[str, Any]] = []
     stored: dict[str, list[torch.Tensor]] = {kind: [] for kind in store}
@@ -431,7 +447,7 @@ def export_shard(
     part = part_path(out, index)
     part.parent.mkdir(exist_ok=True)
     write_text_atomic(part, json.dumps({"images": lines, "failures": failures}) + "\n")
-    return ShardResult(lines, failures)
+    return ShardResult(lines, failures, data_s)
 
 
 def stored_tensors(
@@ -494,6 +510,7 @@ class Progress:
     failed: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    data_s: float = 0.0
 
 
 def export_rank(
@@ -511,9 +528,11 @@ def export_rank(
     total = sum(len(layout[k]) for k in pending)
     with tqdm(total=total, unit="img", desc="export", disable=not show, dynamic_ncols=True) as bar:
         for k in pending:
+            shard = [planned[i] for i in layout[k]]
             result = export_shard(
-                k, [planned[i] for i in layout[k]], models, STORES[args.store], args.max_patches_per_pack, args.out
+                k, shard, models, STORES[args.store], args.max_patches_per_pack, args.out, args.workers
             )
+            progress.data_s += result.data_s
             progress.images += len(result.images)
             progress.failed += len(result.failures)
             progress.tokens += result.num_tokens
@@ -606,6 +625,8 @@ def _summary(progress: Sequence[Progress], exported: int, failed: int, skipped: 
         "seconds": seconds,
         "images_per_s": done / seconds if seconds else 0.0,
         "tokens_per_s": tokens / seconds if seconds else 0.0,
+        # the share of the encode loop spent waiting for decoded packs (rank 0's when several)
+        "data_share": progress[0].data_s / progress[0].seconds if progress[0].seconds else 0.0,
     }
 
 
@@ -615,7 +636,8 @@ def _summary_line(summary: dict[str, Any], out: Path, inputs: Inputs) -> str:
         f"exported {summary['images']} images, {summary['failed']} failed (see {out / FAILURES_FILE}){skipped}; "
         f"this run processed {summary['images_this_run']} images into {summary['tokens_this_run']} tokens "
         f"in {summary['seconds']:.1f} s "
-        f"({summary['images_per_s']:.1f} images/s, {summary['tokens_per_s']:.0f} tokens/s)"
+        f"({summary['images_per_s']:.1f} images/s, {summary['tokens_per_s']:.0f} tokens/s; "
+        f"{summary['data_share']:.0%} of it waiting for decoded images)"
     )
 
 
@@ -650,6 +672,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_side_limit_argument(parser)
     add_device_argument(parser, "cpu, cuda or cuda:N (each torchrun rank takes cuda:LOCAL_RANK)")
     add_threads_argument(parser)
+    add_workers_argument(parser, "packs of images")
     return parser
 
 

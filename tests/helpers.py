@@ -6,11 +6,13 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 from safetensors.torch import save_file
 
 from moonvit import MoonViT, MoonViTConfig, MoonViTImageProcessor, preset_config
+from moonvit.model.flex import flex_unavailable
 from projector import MoonViTProjector, ProjectorConfig
 from projector.export import main as export_main
 
@@ -23,6 +25,16 @@ ACROSS_SHAPES = {
     torch.float32: dict(rtol=1e-5, atol=1e-5),
     torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
 }
+
+
+FLEX = pytest.param(
+    "flex",
+    marks=pytest.mark.skipif(
+        flex_unavailable(torch.device("cpu"), torch.float32) is not None,
+        reason=str(flex_unavailable(torch.device("cpu"), torch.float32)),
+    ),
+)
+"""The ``flex`` backend as a pytest parameter, skipped where it cannot compile here."""
 
 
 def assert_close_across_shapes(actual: torch.Tensor, expected: torch.Tensor, message: str = "") -> None:

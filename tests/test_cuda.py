@@ -7,6 +7,7 @@ from helpers import random_pack, randomize_
 
 from moonvit import MoonViT, preset_config
 from moonvit.model.attention import flash_attn_installed
+from moonvit.model.flex import flex_unavailable
 
 pytestmark = [
     pytest.mark.cuda,
@@ -14,6 +15,8 @@ pytestmark = [
 ]
 
 BACKENDS = ["sdpa", "eager"] + (["flash_attention_2"] if flash_attn_installed() else [])
+if torch.cuda.is_available() and flex_unavailable(torch.device("cuda"), torch.bfloat16) is None:
+    BACKENDS.append("flex")
 PACK = [(2, 2), (6, 10), (16, 16), (66, 4), (4, 4)]
 CLIPS = [(4, 8, 8), (1, 6, 10), (3, 4, 4)]
 

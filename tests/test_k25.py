@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from helpers import (
+    FLEX,
     k25_full_model,
     random_pack,
     randomize_,
@@ -119,7 +120,7 @@ def test_frames_of_a_clip_attend_to_each_other_and_to_nothing_else():
     torch.testing.assert_close(out[24:], base[24:], rtol=0, atol=0)  # the next clip does not
 
 
-@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa", FLEX])
 def test_a_clip_alone_and_inside_a_pack_give_the_same_rows(impl):
     model = k25_model()
     model.set_attn_implementation(impl)

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from helpers import (
+    FLEX,
     SafeOpenSpy,
     k3_release_config,
     randomize_,
@@ -86,10 +87,12 @@ def test_float64_parity_with_the_reference(reference64, impl):
     model.set_attn_implementation("auto")
 
 
-def test_bfloat16_as_close_to_exact_as_the_reference_in_bfloat16(reference64):
+@pytest.mark.parametrize("impl", ["sdpa", FLEX])
+def test_bfloat16_as_close_to_exact_as_the_reference_in_bfloat16(reference64, impl):
     """Our bf16 no further from the float64 answer than the plain reference's own bf16 (25% slack)."""
     model, projector, pixels, grids, (exact, _, exact_projected) = reference64
     low, low_projector = model.to(torch.bfloat16), projector.to(torch.bfloat16)
+    low.set_attn_implementation(impl)
     try:
         with torch.no_grad():
             out = low(pixels.bfloat16(), grids)
@@ -98,6 +101,7 @@ def test_bfloat16_as_close_to_exact_as_the_reference_in_bfloat16(reference64):
             ref_projected = reference_k3_projector(low_projector.state_dict(), ref_merged, 1e-5)
     finally:
         model.to(torch.float64), projector.to(torch.float64)
+        model.set_attn_implementation("auto")
     ours, theirs = rel(out.last_hidden_state, exact), rel(ref_last, exact)
     assert ours <= 1.25 * theirs + 1e-3, (ours, theirs)
     assert rel(projected, exact_projected) <= 1.25 * rel(ref_projected, exact_projected) + 1e-3

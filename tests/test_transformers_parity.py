@@ -3,7 +3,7 @@ of the same MoonViT, its weights permuted by transformers' own PermuteForRope.""
 
 import pytest
 import torch
-from helpers import random_pack, tiny_model
+from helpers import FLEX, random_pack, tiny_model
 
 pytest.importorskip("transformers.models.kimi_k25.modeling_kimi_k25")
 from moonvit.weights.transformers import to_transformers
@@ -38,7 +38,8 @@ def test_float64_parity(pack):
     assert rel(ours.merged, ref.pooler_output) < 1e-5
 
 
-def test_bfloat16_as_close_to_exact_as_transformers():
+@pytest.mark.parametrize("impl", ["sdpa", FLEX])
+def test_bfloat16_as_close_to_exact_as_transformers(impl):
     """In bf16 neither implementation matches the other bit for bit. The bound
     that matters: our bf16 output is no further from the float64 answer than
     transformers' bf16 output is (with 25% slack for rounding luck), and both
@@ -47,10 +48,20 @@ def test_bfloat16_as_close_to_exact_as_transformers():
     exact_model = tiny_model(seed=2, dtype=torch.float64)
     pixels, grids = random_pack(pack, dtype=torch.float64)
     exact, _ = forward_both(exact_model, to_transformers(exact_model), pixels, grids)
-    model = tiny_model(seed=2, dtype=torch.bfloat16)
+    model = tiny_model(seed=2, dtype=torch.bfloat16, attn_implementation=impl)
     ours, ref = forward_both(model, to_transformers(model), pixels.bfloat16(), grids)
     ours_error = rel(ours.last_hidden_state, exact.last_hidden_state)
     theirs_error = rel(ref.last_hidden_state, exact.last_hidden_state)
     assert ours_error <= 1.25 * theirs_error + 1e-3
     assert ours_error < 0.03
     assert rel(ours.last_hidden_state, ref.last_hidden_state) < 0.05
+
+
+@pytest.mark.parametrize("impl", ["sdpa", FLEX])
+def test_float32_parity(impl):
+    """flex has no float64 kernel: both fast backends against transformers in float32."""
+    model = tiny_model(seed=1, attn_implementation=impl)
+    pixels, grids = random_pack(PACKS["mixed pack"])
+    ours, ref = forward_both(model, to_transformers(model), pixels, grids)
+    assert rel(ours.last_hidden_state, ref.last_hidden_state) < 1e-5
+    assert rel(ours.merged, ref.pooler_output) < 1e-5

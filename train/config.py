@@ -26,6 +26,7 @@ from moonvit.cli import (
     add_dtype_argument,
     add_seed_argument,
     add_threads_argument,
+    add_workers_argument,
     drop_rate,
     existing_folder,
     fraction,
@@ -43,7 +44,18 @@ from .plan import TokenDrop
 __all__ = ["NOT_RUN_DEFINING", "SMOKE", "TrainConfig", "build_parser", "parse_args", "run_defining"]
 
 NOT_RUN_DEFINING = frozenset(
-    {"out", "threads", "device", "save_every", "evals", "progress", "peak_tflops", "data_dir", "objective_options"}
+    {
+        "out",
+        "threads",
+        "workers",
+        "device",
+        "save_every",
+        "evals",
+        "progress",
+        "peak_tflops",
+        "data_dir",
+        "objective_options",
+    }
 )
 """Arguments that may differ between a run and its resumption (they do not change the weights)."""
 
@@ -111,6 +123,7 @@ class TrainConfig:
     # runtime
     device: str = "cpu"
     threads: int | None = None
+    workers: int = 0
     save_every: int = 200
     evals: int = 10
     progress: bool = True
@@ -297,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     runtime = parser.add_argument_group("runtime")
     add_device_argument(parser)
     add_threads_argument(parser)
+    add_workers_argument(runtime, "steps' packs")
     runtime.add_argument(
         "--save-every",
         type=non_negative_int,

@@ -37,7 +37,7 @@ from .data import UNLABELLED_PREFIX, DataError, load_training_data
 from .evaluation import calibrate, draw, evaluate, validate
 from .log import MetricsLog, plot_curves
 from .objectives import OBJECTIVES
-from .trainer import Trainer
+from .trainer import StepFeed, Trainer
 
 __all__ = ["TrainError", "main", "run"]
 
@@ -157,29 +157,33 @@ def run(config: TrainConfig, ranks: Ranks, device: torch.device) -> dict[str, An
         total=total, initial=trainer.step, desc="train", unit="step", disable=not (ranks.is_main and config.progress)
     )
     smoothed: dict[str, float] = {}
-    while trainer.step < total:
-        packs = [plan.packer.next_pack(trainer.step / total) for _ in range(plan.packs_per_step)]
-        record = trainer.train_step(packs)
-        record["mfu"] = record["tflops"] * 1e12 / peak
-        log.write(record)
-        for name in ("loss", "images_per_s", "patches_per_s", "mfu"):
-            smoothed[name] = record[name] if name not in smoothed else 0.9 * smoothed[name] + 0.1 * record[name]
-        bar.set_postfix(
-            loss=f"{smoothed['loss']:.3f}",
-            lr=f"{record['lr']:.2e}",
-            img_s=f"{smoothed['images_per_s']:.0f}",
-            patch_s=f"{smoothed['patches_per_s']:.0f}",
-            mfu=f"{smoothed['mfu']:.1%}",
-            refresh=False,
-        )
-        bar.update()
-        if trainer.step in eval_steps:
-            validation = validate(trainer)
-            log.write(validation)
-            if ranks.is_main:
-                bar.write(f"step {trainer.step}: validation " + _summary(validation))
-        if trainer.step == total or (config.save_every and trainer.step % config.save_every == 0):
-            save(trainer, identity)
+    feed = StepFeed(trainer, total, config.workers)
+    try:
+        while trainer.step < total:
+            packs, plan_state, rendered = feed.next(trainer.step)
+            record = trainer.train_step(packs, rendered, plan_state)
+            record["mfu"] = record["tflops"] * 1e12 / peak
+            log.write(record)
+            for name in ("loss", "images_per_s", "patches_per_s", "mfu"):
+                smoothed[name] = record[name] if name not in smoothed else 0.9 * smoothed[name] + 0.1 * record[name]
+            bar.set_postfix(
+                loss=f"{smoothed['loss']:.3f}",
+                lr=f"{record['lr']:.2e}",
+                img_s=f"{smoothed['images_per_s']:.0f}",
+                patch_s=f"{smoothed['patches_per_s']:.0f}",
+                mfu=f"{smoothed['mfu']:.1%}",
+                refresh=False,
+            )
+            bar.update()
+            if trainer.step in eval_steps:
+                validation = validate(trainer)
+                log.write(validation)
+                if ranks.is_main:
+                    bar.write(f"step {trainer.step}: validation " + _summary(validation))
+            if trainer.step == total or (config.save_every and trainer.step % config.save_every == 0):
+                save(trainer, identity)
+    finally:
+        feed.close()
     bar.close()
     return finish(trainer)
 

@@ -14,7 +14,9 @@ import contextlib
 import dataclasses
 import math
 import time
+from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -26,7 +28,7 @@ from moonvit.distributed import Ranks
 from moonvit.perf import config_flops
 
 from .augment import AugmentConfig
-from .batch import render_pack
+from .batch import Batch, render_pack
 from .build import Plan, TrainError
 from .checkpoint import rng_states, set_rng_states
 from .config import TrainConfig
@@ -36,7 +38,7 @@ from .optim import OptimConfig, build_optimizer, build_schedule, param_groups
 from .parallel import Parallel, TrainModule
 from .plan import Pack, derive_seed
 
-__all__ = ["MIX_SEED", "TORCH_SEED", "Trainer"]
+__all__ = ["MIX_SEED", "TORCH_SEED", "StepFeed", "Trainer"]
 
 MIX_SEED, TORCH_SEED = 1, 2
 """Purposes in :func:`derive_seed`: a pack's mixing draws, and torch's generator for its forward (stochastic depth)."""
@@ -80,6 +82,7 @@ class Trainer:
         self.saved_step: int | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.schedule: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.plan_state: Any = None  # the plan's position after the last step's packs, when drawn ahead
 
     # ---- set-up -------------------------------------------------------------------------------
 
@@ -116,7 +119,7 @@ class Trainer:
             "model": self.parallel.model_state(),
             "optimizer": self.parallel.optimizer_state(self.optimizer),
             "schedule": self.schedule.state_dict(),
-            "plan": self.plan.packer.state_dict(),
+            "plan": self.plan.packer.state_dict() if self.plan_state is None else self.plan_state,
             "rng": rng_states(),
             "threads": torch.get_num_threads(),
         }
@@ -135,23 +138,33 @@ class Trainer:
 
     # ---- one step -----------------------------------------------------------------------------
 
-    def forward_backward(self, step: int, packs: Sequence[Pack]) -> tuple[dict[str, float], float]:
-        """Render, run and backpropagate this rank's packs of a step; returns the step's summed
-        statistics over every rank (loss, objective sums, per unit) and this rank's rendering time."""
+    def render(self, step: int, packs: Sequence[Pack]) -> list[Batch]:
+        """This rank's packs of step ``step`` rendered on the CPU (decode, resize, augment, mix,
+        patchify, drop): a function of the step and the packs alone, so a :class:`StepFeed` worker
+        may call it ahead of the step."""
+        batches = []
+        for j, pack in self.my_share(packs):
+            mix_rng = np.random.default_rng(derive_seed(self.config.seed, MIX_SEED, step, j))
+            needs_full = self.objective.needs_full_pixels
+            batches.append(render_pack(pack, self.data.train, self.encoder.config, self.augment, mix_rng, needs_full))
+        return batches
+
+    def forward_backward(
+        self, step: int, packs: Sequence[Pack], rendered: Future[list[Batch]] | None = None
+    ) -> tuple[dict[str, float], float]:
+        """Run and backpropagate this rank's packs of a step, rendered now or by ``rendered`` (ahead,
+        in a :class:`StepFeed` worker); returns the step's summed statistics over every rank (loss,
+        objective sums, per unit) and the seconds this rank spent rendering or waiting for it."""
         units = sum(self.objective.weight(pack) for pack in packs)
         scale = self.ranks.world_size / units
-        mine = self.my_share(packs)
+        start = time.perf_counter()
+        batches = self.render(step, packs) if rendered is None else rendered.result()
+        render_s = time.perf_counter() - start
         sums: dict[str, torch.Tensor] = {}
-        render_s = 0.0
-        for position, (j, pack) in enumerate(mine):
-            start = time.perf_counter()
-            mix_rng = np.random.default_rng(derive_seed(self.config.seed, MIX_SEED, step, j))
-            batch = render_pack(
-                pack, self.data.train, self.encoder.config, self.augment, mix_rng, self.objective.needs_full_pixels
-            ).to(self.device)
-            render_s += time.perf_counter() - start
+        for position, ((j, _), cpu_batch) in enumerate(zip(self.my_share(packs), batches)):
+            batch = cpu_batch.to(self.device)
             torch.manual_seed(derive_seed(self.config.seed, TORCH_SEED, step, j))
-            with self.parallel.gradient_sync(position == len(mine) - 1):
+            with self.parallel.gradient_sync(position == len(batches) - 1):
                 with self.autocast():
                     output = self.parallel(batch)
                 (output.loss_sum * scale).backward()
@@ -163,12 +176,17 @@ class Trainer:
         totals = self.ranks.sum(torch.stack([sums[name] for name in names]).cpu())
         return {name: float(total) / units for name, total in zip(names, totals)}, render_s
 
-    def train_step(self, packs: Sequence[Pack]) -> dict[str, Any]:
-        """One optimizer step on a step's packs; returns its log record."""
+    def train_step(
+        self, packs: Sequence[Pack], rendered: Future[list[Batch]] | None = None, plan_state: Any = None
+    ) -> dict[str, Any]:
+        """One optimizer step on a step's packs; returns its log record. ``rendered`` and
+        ``plan_state`` come from a :class:`StepFeed` that draws and renders ahead: the batches, and
+        the plan's position right after this step's packs (what a checkpoint after it saves)."""
         assert self.optimizer is not None and self.schedule is not None
+        self.plan_state = plan_state
         start = time.perf_counter()
         lr = max(group["lr"] for group in self.optimizer.param_groups)
-        stats, render_s = self.forward_backward(self.step, packs)
+        stats, render_s = self.forward_backward(self.step, packs, rendered)
         params = [p for p in self.parallel.module.parameters() if p.grad is not None]
         clip = self.config.clip_grad if self.config.clip_grad > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
@@ -235,3 +253,39 @@ class Trainer:
         encoder.save_pretrained(out / "checkpoint")
         self.processor.save_pretrained(out / "checkpoint")
         return ["checkpoint", *self.objective.save(out, parts["objective"])]
+
+
+class StepFeed:
+    """The packs of each step, drawn from the plan in step order, with this rank's batches rendered
+    up to ``workers`` steps ahead in background threads (none: each step renders its own).
+
+    The draws are those of the serial loop, in the same order, and rendering is a function of the
+    step and its packs (:meth:`Trainer.render`), so the run is bit for bit the same with any
+    ``workers``. Each step carries the plan's position right after its own packs, which is what a
+    checkpoint after that step saves, so a resumed run draws the same packs as well.
+    """
+
+    def __init__(self, trainer: Trainer, total: int, workers: int) -> None:
+        self.trainer, self.total, self.workers = trainer, total, workers
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="moonvit-render") if workers else None
+        self.ahead: deque[tuple[list[Pack], Any, Future[list[Batch]] | None]] = deque()
+
+    def _draw(self, step: int) -> tuple[list[Pack], Any]:
+        plan = self.trainer.plan
+        packs = [plan.packer.next_pack(step / self.total) for _ in range(plan.packs_per_step)]
+        return packs, plan.packer.state_dict()
+
+    def next(self, step: int) -> tuple[list[Pack], Any, Future[list[Batch]] | None]:
+        """Step ``step``'s (packs, plan position after them, rendering or None), topping up the
+        steps drawn ahead."""
+        if self.pool is None:
+            return (*self._draw(step), None)
+        while len(self.ahead) <= self.workers and step + len(self.ahead) < self.total:
+            ahead = step + len(self.ahead)
+            packs, state = self._draw(ahead)
+            self.ahead.append((packs, state, self.pool.submit(self.trainer.render, ahead, packs)))
+        return self.ahead.popleft()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)

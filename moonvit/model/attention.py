@@ -1,12 +1,15 @@
 """Attention over a pack of images, each image attending only to itself.
 
-Three backends compute the same block-diagonal attention:
+Four backends compute the same block-diagonal attention:
 
 - ``flash_attention_2``: flash-attn's varlen kernel over the packed sequence
   (CUDA, bf16 / fp16; the optional ``moonvit[flash]`` extra).
 - ``sdpa``: torch's ``scaled_dot_product_attention``, one batched call per group
   of equally long images. No (L, L) mask is ever built, so memory grows with the
   total number of patches, not its square.
+- ``flex``: torch's FlexAttention, one compiled kernel over the whole pack with a
+  block-sparse document mask (:mod:`moonvit.model.flex`); opt-in, as it is
+  slower than sdpa on the CPUs measured (see the README's speed section).
 - ``eager``: plain math per image, the reference.
 
 ``auto`` picks flash-attn where it can run and otherwise falls back to sdpa.
@@ -27,6 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from .flex import flex_attention, flex_not_installed, flex_unavailable
 
 if TYPE_CHECKING:
     from .grid import AttentionGroup, PackedGrid
@@ -252,4 +257,5 @@ register_attention(
     "flash_attention_2", flash_attention, unavailable=_flash_unavailable, installed=_flash_not_installed, auto=True
 )
 register_attention("sdpa", sdpa_attention, auto=True)
+register_attention("flex", flex_attention, unavailable=flex_unavailable, installed=flex_not_installed)
 register_attention("eager", eager_attention)

@@ -173,7 +173,7 @@ class MoonViT(nn.Module):
         return self.patch_embed.proj.weight.device
 
     def set_attn_implementation(self, attn_implementation: str) -> None:
-        """Switch the attention backend: ``auto`` or a registered one (flash_attention_2, sdpa, eager)."""
+        """Switch the attention backend: ``auto`` or a registered one (flash_attention_2, sdpa, flex, eager)."""
         check_attn_implementation(attn_implementation)
         self.config.attn_implementation = attn_implementation
 
