@@ -11,13 +11,11 @@ ratio, and how many forwards it takes for the compile time to pay back.
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
-import sys
 import time
 
 import torch
-from common import PACKS, as_thw, host_line
+from common import PACKS, as_thw, host_line, write_report
 
 from moonvit import MoonViT, preset_config
 from moonvit.cli import add_threads_argument, apply_threads, output_file, positive_int
@@ -79,10 +77,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"| {payback} |"
             )
             print(lines[-1], flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        command = shlex.join(["python", "benchmarks/bench_compile.py", *(sys.argv[1:] if argv is None else argv)])
-        args.out.write_text(f"```\n{command}\n```\n\n" + "\n".join(lines) + "\n")
+    write_report(args.out, "bench_compile.py", argv, lines)
 
 
 if __name__ == "__main__":

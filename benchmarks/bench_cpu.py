@@ -19,14 +19,12 @@ each pack's whole attention call, in GFLOP/s, beside the matmul peak.
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
-import sys
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from common import PACKS, as_thw, host_line, matmul_peak, mib, model_flops, peak_extra_bytes, seconds
+from common import PACKS, as_thw, host_line, matmul_peak, mib, model_flops, peak_extra_bytes, seconds, write_report
 from k3_baseline import K3Baseline
 
 from moonvit import MoonViT, preset_config
@@ -372,10 +370,7 @@ def main(argv: list[str] | None = None) -> None:
             line = f"| {pack_name} | " + " | ".join(f"{share[kind]:.0%}" for kind in share) + " |"
             print(line, flush=True)
             lines.append(line)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        command = shlex.join(["python", "benchmarks/bench_cpu.py", *(sys.argv[1:] if argv is None else argv)])
-        args.out.write_text(f"```\n{command}\n```\n\n" + "\n".join(lines) + "\n")
+    write_report(args.out, "bench_cpu.py", argv, lines)
 
 
 if __name__ == "__main__":

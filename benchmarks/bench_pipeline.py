@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import fractions
-import shlex
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
-from common import host_line, seconds
+from common import host_line, seconds, write_report
 from PIL import Image
 
 from moonvit import MoonViT, MoonViTImageProcessor, preset_config
@@ -135,10 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     print("\n".join(rows))
     lines += rows
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        command = shlex.join(["python", "benchmarks/bench_pipeline.py", *(sys.argv[1:] if argv is None else argv)])
-        args.out.write_text(f"```\n{command}\n```\n\n" + "\n".join(lines) + "\n")
+    write_report(args.out, "bench_pipeline.py", argv, lines)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ from __future__ import annotations
 import ctypes
 import platform
 import re
+import shlex
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -25,6 +28,7 @@ __all__ = [
     "model_flops",
     "peak_extra_bytes",
     "seconds",
+    "write_report",
 ]
 
 PACKS: dict[str, list[tuple[int, ...]]] = {
@@ -95,3 +99,14 @@ def host_line() -> str:
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
     present = [flag for flag in wanted if flag in flags]
     return f"{model}; {' '.join(present) or 'no AVX-512 / AMX flags'}"
+
+
+def write_report(out: Path | None, script: str, argv: Sequence[str] | None, lines: Sequence[str]) -> None:
+    """Write ``lines`` (markdown) to ``out``, under the command line that produced them (``argv``:
+    the arguments given to the benchmark's ``main``, or None for the process's own); nothing
+    when ``out`` is None."""
+    if out is None:
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = shlex.join(["python", f"benchmarks/{script}", *(sys.argv[1:] if argv is None else argv)])
+    out.write_text(f"```\n{command}\n```\n\n" + "\n".join(lines) + "\n")

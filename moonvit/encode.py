@@ -180,6 +180,24 @@ def process_pack(
     return pixel_values, torch.tensor(grids, dtype=torch.int64).reshape(-1, 3), tuple(items), failures
 
 
+def processed_packs(
+    processor: MoonViTImageProcessor,
+    packs: Iterable[Pack],
+    *,
+    workers: int = 0,
+    skip_errors: bool = False,
+    video_processor: MoonViTVideoProcessor | None = None,
+) -> Iterator[tuple[Pack, ProcessedPack]]:
+    """``(pack, process_pack(processor, pack, ...))`` for each pack, in order: inline, or with
+    ``workers`` threads decoding the next packs while the caller encodes this one (the same
+    results; see :func:`~moonvit.prefetch.prefetch`). Hand each to :func:`encode_processed`."""
+
+    def decode(pack: Pack) -> ProcessedPack:
+        return process_pack(processor, pack, skip_errors=skip_errors, video_processor=video_processor)
+
+    return prefetch(packs, decode, workers)
+
+
 def encode_pack(
     encoder: VisionEncoder,
     processor: MoonViTImageProcessor,
@@ -256,10 +274,8 @@ def iter_encode_images(
                 videos.check_tower(encoder.config.max_frames, f"input {index} ({_name(source)}) is a video: it")
             yield source
 
-    def decode(pack: Pack) -> ProcessedPack:
-        return process_pack(processor, pack, video_processor=videos)
-
-    for _, processed in prefetch(pack_images(checked(), processor, max_patches_per_pack, videos), decode, workers):
+    packs = pack_images(checked(), processor, max_patches_per_pack, videos)
+    for _, processed in processed_packs(processor, packs, workers=workers, video_processor=videos):
         encoded = encode_processed(encoder, processed)
         assert encoded.grid is not None  # without skip_errors every item decodes or raises
         tokens = encoded.split_tokens(encoded.merged.to(output_device))

@@ -63,11 +63,10 @@ from moonvit.cli import (
     torch_dtype,
 )
 from moonvit.distributed import Ranks, close_ranks, init_ranks
-from moonvit.encode import EncodedPack, ProcessedPack, encode_processed, process_pack
+from moonvit.encode import EncodedPack, encode_processed, processed_packs
 from moonvit.files import files_below, save_safetensors_atomic, sha256_file, skipped_line, write_text_atomic
-from moonvit.media.packing import Pack, group_into_packs, plan_pack_item, plan_video_items
+from moonvit.media.packing import group_into_packs, plan_pack_item, plan_video_items
 from moonvit.media.video import VIDEO_EXTENSIONS, MoonViTVideoProcessor, is_video
-from moonvit.prefetch import prefetch
 from moonvit.weights.checkpoint import CheckpointError, update_weights_digest
 from moonvit.weights.hub import source_label
 
@@ -407,12 +406,15 @@ def export_shard(
     Key = tuple[int, int | None]
     tensors: dict[Key, dict[str, torch.Tensor]] = {}
     reasons: dict[Key, str] = {}
-
-    def decode(pack: Pack) -> ProcessedPack:
-        return process_pack(models.processor, pack, skip_errors=True, video_processor=models.video_processor)
-
+    packs = processed_packs(
+        models.processor,
+        group_into_packs((item for p in planned for item in p.items), budget),
+        workers=workers,
+        skip_errors=True,
+        video_processor=models.video_processor,
+    )
     data_s, ready = 0.0, time.perf_counter()
-    for _, processed in prefetch(group_into_packs((i for p in planned for i in p.items), budget), decode, workers):
+    for _, processed in packs:
         data_s += time.perf_counter() - ready  # waiting for this pack's pixels
         encoded = encode_processed(models.encoder, processed)
         reasons.update(encoded.failures)

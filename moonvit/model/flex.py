@@ -19,6 +19,7 @@ CPU raises and names ``sdpa`` instead.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import shutil
@@ -47,20 +48,30 @@ _kernels: dict[tuple, Callable[..., torch.Tensor]] = {}
 _first_calls: dict[tuple, float] = {}
 
 
+@functools.cache
 def flex_not_installed() -> str | None:
-    """Why this torch has no usable FlexAttention, or None."""
+    """Why this torch has no usable FlexAttention, or None (looked up once: every forward asks)."""
     if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
         return f"it needs torch.nn.attention.flex_attention (torch >= 2.5), this is torch {torch.__version__}"
     return None
+
+
+@functools.cache
+def _toolchain(device_type: str) -> bool:
+    """Whether the compiler flex needs on ``device_type`` is there: a C++ compiler on PATH for CPU,
+    triton for CUDA (looked up once: every forward asks)."""
+    if device_type == "cpu":
+        return any(shutil.which(cc) for cc in ("c++", "g++", "clang++"))
+    return importlib.util.find_spec("triton") is not None
 
 
 def flex_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why FlexAttention cannot run on ``device`` in ``dtype``, or None."""
     if dtype not in FLEX_DTYPES:
         return f"flex attention runs in fp32, bf16 or fp16, the model is {dtype}"
-    if device.type == "cpu" and not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
+    if device.type == "cpu" and not _toolchain("cpu"):
         return "flex attention on CPU compiles a C++ kernel and no C++ compiler (c++, g++, clang++) is on PATH"
-    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+    if device.type == "cuda" and not _toolchain("cuda"):
         return "flex attention on CUDA compiles a Triton kernel and triton is not installed"
     if device.type not in ("cpu", "cuda"):
         return f"flex attention runs on CPU and CUDA, the model is on {device.type}"
