@@ -13,7 +13,10 @@ with its opt-in position cache on, and is also timed with its grid and
 position caches cleared before every call, as for a pack never seen before)
 and the peak memory a forward adds (Linux). Before the tower tables, each attention
 backend (sdpa, flex, and both with head_dim 72 zero-padded to 80 and 96) is timed on
-each pack's whole attention call, in GFLOP/s, beside the matmul peak.
+each pack's whole attention call, in GFLOP/s, beside the matmul peak. After them, the bf16
+tower with its linears on bf16 kernels and widened to float32 (moonvit.model.linear), side by side,
+and, where llama-cpp-python is installed, llama.cpp's encoder on the same tower's mmproj files
+(benchmarks/llamacpp_check.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from moonvit.model import flex
 from moonvit.model.attention import AttentionFn, get_attention
 from moonvit.model.flex import flex_unavailable
 from moonvit.model.grid import PackedGrid, build_packed_grid
+from moonvit.model.linear import cpu_bf16_matmul, cpu_has_bf16_arithmetic, set_cpu_bf16_matmul
 from moonvit.weights.transformers import to_transformers
 
 
@@ -206,6 +210,98 @@ def attention_table(args: argparse.Namespace, dtype_key: str, heads: int, head_d
     return [*lines, ""]
 
 
+def in_bf16_mode(fn: Callable, mode: str) -> Callable:
+    """``fn`` with the encoder's CPU bf16 linears in ``mode`` (``bf16`` kernels or widened to ``float32``)."""
+
+    def call(pixels: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+        previous = set_cpu_bf16_matmul(mode)
+        try:
+            return fn(pixels, grids)
+        finally:
+            set_cpu_bf16_matmul(previous)
+
+    return call
+
+
+def bf16_linear_rows(args: argparse.Namespace) -> list[str]:
+    """The bf16 K2.5 tower with its linears on bf16 kernels against widened to float32 (one rounding
+    to bf16 either way), interleaved on the same weights and packs, and the two outputs' difference."""
+    auto = cpu_bf16_matmul()
+    hardware = "has" if cpu_has_bf16_arithmetic() else "has no"
+    lines = [
+        "",
+        f"bf16 linears on bf16 kernels against widened to float32 (this CPU {hardware} bf16 arithmetic; "
+        f"auto picks {auto}), depth {args.depth}; transformers' tower as the common yardstick:",
+        "",
+        "| pack | bf16 kernels patches/s | widened patches/s | widened / kernels | peer patches/s "
+        "| widened / peer | max rel diff |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines))
+    contenders = build(args.depth, torch.bfloat16)
+    modes = {
+        "kernels": in_bf16_mode(contenders["ours"], "bf16"),
+        "widened": in_bf16_mode(contenders["ours"], "float32"),
+        "peer": contenders["peer"],
+    }
+    for pack_name in args.packs:
+        grids = as_thw(PACKS[pack_name])
+        patches = int(grids.prod(dim=1).sum())
+        pixels = torch.randn(patches, 3, 14, 14).to(torch.bfloat16)
+        timed = time_interleaved(modes, pixels, grids, args.repeats)
+        with torch.inference_mode():
+            a, b = (modes[name](pixels, grids).double() for name in ("widened", "kernels"))
+        diff = float((a - b).norm() / b.norm())
+        rate = {name: patches / timed[name] for name in modes}
+        line = (
+            f"| {pack_name} | {rate['kernels']:.0f} | {rate['widened']:.0f} | {rate['widened'] / rate['kernels']:.2f}x "
+            f"| {rate['peer']:.0f} | {rate['widened'] / rate['peer']:.2f}x | {diff:.1e} |"
+        )
+        print(line, flush=True)
+        lines.append(line)
+    return lines
+
+
+LLAMA_PACKS = {"448x448 (32x32)": (448, 448), "896x896 (64x64)": (896, 896)}
+"""The single-photo packs llama.cpp also encodes (its preprocessing keeps these sizes as they are)."""
+
+
+def llamacpp_rows(args: argparse.Namespace) -> list[str]:
+    """Seconds per photo of llama.cpp's encoder on this K2.5 tower's mmproj files (f16, f32) beside this
+    package's bf16 and fp32 processor, tower and projector, at ``--depth``, interleaved; where
+    llama-cpp-python with ``mtmd`` is installed."""
+    import tempfile
+    from pathlib import Path
+
+    from llamacpp import llama_cpp_available, write_text_stub
+    from llamacpp_check import SPEED_HEADER, TEXT_WIDTH, Ours, family_models, open_llamas, photos, speed_rows
+
+    sizes = [LLAMA_PACKS[name] for name in args.packs if name in LLAMA_PACKS]
+    unavailable = llama_cpp_available()
+    if unavailable or not sizes:
+        line = f"llama.cpp rows skipped: {unavailable or 'no single-photo pack among --packs'}"
+        print(line)
+        return ["", line]
+    lines = ["", f"llama.cpp's encoder (llama-cpp-python, kimik25 mmproj of this tower, flash attention on) "
+             f"against this package, depth {args.depth}, seconds per photo (median of {args.repeats}):", "",
+             *SPEED_HEADER]  # fmt: skip
+    print("\n".join(lines), flush=True)
+    encoder, projector, processor = family_models("k25", args.depth, seed=0)
+    contenders = {name: Ours(encoder, projector, processor, dtype)
+                  for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        llamas = open_llamas(encoder, projector, processor, work, write_text_stub(work / "text.gguf", TEXT_WIDTH),
+                             args.threads)  # fmt: skip
+        try:
+            rows = speed_rows("k25", photos(sizes), llamas, contenders, args.repeats)
+        finally:
+            for llama in llamas.values():
+                llama.close()
+    print("\n".join(rows), flush=True)
+    return [*lines, *rows]
+
+
 def build_k3(depth: int, dtype: torch.dtype) -> dict[str, Callable]:
     """Kimi K3's tower (moonvit-v2 at ``depth`` blocks, random weights) and the straightforward peer
     (:class:`k3_baseline.K3Baseline`) on the same weights."""
@@ -285,6 +381,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="time the attention backends (sdpa, flex, head_dim padded) on each pack's attention call (default: on)",
     )
     parser.add_argument(
+        "--llamacpp",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time llama.cpp's encoder on the 448x448 and 896x896 packs where llama-cpp-python is installed "
+        "(default: on)",
+    )
+    parser.add_argument(
         "--towers",
         nargs="+",
         choices=("k25", "k3"),
@@ -305,8 +408,14 @@ def main(argv: list[str] | None = None) -> None:
         f"torch {torch.__version__}, {args.threads} threads, depth {args.depth} (MFU scaled to 27 blocks)",
         "",
     ]
-    peaks = {name: matmul_peak(DTYPES[name]) for name in args.dtypes}
-    lines += ["matmul peak 4096^3: " + ", ".join(f"{n} {p / 1e9:.0f} GFLOP/s" for n, p in peaks.items()), ""]
+    peaks = {name: matmul_peak(DTYPES[name]) for name in ("bf16", "fp32")}
+    lines += ["matmul peak 4096^3: " + ", ".join(f"{n} {p / 1e9:.0f} GFLOP/s" for n, p in peaks.items())]
+    # MFU divides by the peak of the arithmetic the linears run: float32's where bf16 is widened.
+    mfu_peak = {"fp32": peaks["fp32"], "bf16": peaks["fp32" if cpu_bf16_matmul() == "float32" else "bf16"]}
+    if cpu_bf16_matmul() == "float32":
+        lines.append("bf16 linears run widened to float32 on this CPU (moonvit.model.linear): bf16 MFU is "
+                     "against the fp32 peak")  # fmt: skip
+    lines.append("")
     print("\n".join(lines))
     if "k25" in args.towers:
         for dtype_key in args.dtypes if args.attention else ():
@@ -340,7 +449,8 @@ def main(argv: list[str] | None = None) -> None:
                 per_block = max(timed[name] - fixed[name], 1e-9) / max(args.depth, 1)
                 full_time = fixed[name] + cfg.num_hidden_layers * per_block
                 flops = model_flops(grid_list, cfg)
-                row[name] = (patches / timed[name], flops / full_time / peaks[dtype_key], fixed[name] * 1e3, full_time)
+                mfu = flops / full_time / mfu_peak[dtype_key]
+                row[name] = (patches / timed[name], mfu, fixed[name] * 1e3, full_time)
             ours, peer = row["ours"], row["peer"]
             line = (
                 f"| {pack_name} | {dtype_key} | {ours[0]:.0f} | {peer[0]:.0f} | {ours[0] / peer[0]:.2f}x | "
@@ -351,8 +461,12 @@ def main(argv: list[str] | None = None) -> None:
             )
             print(line, flush=True)
             lines.append(line)
+    if "k25" in args.towers and "bf16" in args.dtypes:
+        lines += bf16_linear_rows(args)
+    if "k25" in args.towers and args.llamacpp:
+        lines += llamacpp_rows(args)
     if "k3" in args.towers:
-        lines += k3_rows(args, peaks.get("bf16") or matmul_peak(torch.bfloat16))
+        lines += k3_rows(args, mfu_peak["bf16"])
     if not args.no_extras and "k25" in args.towers:
         contenders = build(args.depth, torch.bfloat16)
         ours, peer = contenders["ours"], contenders["peer"]

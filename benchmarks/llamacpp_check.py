@@ -110,6 +110,27 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def family_models(family: str, depth: int, seed: int) -> tuple[MoonViT, MoonViTProjector, MoonViTImageProcessor]:
+    """A family's tower at ``depth`` blocks, its projector (to :data:`TEXT_WIDTH`) and its processor, with
+    weights randomised as the tests randomise them."""
+    preset, make_processor, _ = FAMILIES[family]
+    encoder = randomize_(MoonViT(preset_config(preset, num_hidden_layers=depth)), seed).eval()
+    projector = randomize_(MoonViTProjector(ProjectorConfig.for_encoder(encoder.config, TEXT_WIDTH)), seed + 1)
+    return encoder, projector.eval(), make_processor()
+
+
+def open_llamas(
+    encoder: MoonViT, projector: MoonViTProjector, processor, work: Path, stub: Path, threads: int
+) -> dict[str, LlamaCppVision]:
+    """llama.cpp's encoder on this tower's ``kimik25`` mmproj files: {"f16": ..., "f32": ...}."""
+    llamas = {}
+    for dtype in ("f16", "f32"):
+        path = work / f"kimik25-{dtype}.gguf"
+        export_gguf(encoder, projector, processor, path, dtype=dtype, projector_type="kimik25")
+        llamas[dtype] = LlamaCppVision(path, stub, threads)
+    return llamas
+
+
 def converter_rows(family: str, encoder, projector, processor, llama_dir: Path | None, work: Path) -> list[str]:
     """The converter's file against export_gguf's for one family, f32 and f16."""
     if llama_dir is None or not (llama_dir / "convert_hf_to_gguf.py").is_file():
@@ -151,11 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(tmp)
         stub = write_text_stub(work / "text.gguf", TEXT_WIDTH)
         for family in args.families:
-            preset, make_processor, llama_type = FAMILIES[family]
-            processor = make_processor()
-            encoder = randomize_(MoonViT(preset_config(preset, num_hidden_layers=args.depth)), args.seed).eval()
-            config = ProjectorConfig.for_encoder(encoder.config, TEXT_WIDTH)
-            projector = randomize_(MoonViTProjector(config), args.seed + 1).eval()
+            llama_type = FAMILIES[family][2]
+            encoder, projector, processor = family_models(family, args.depth, args.seed)
             print(f"{family}: {args.depth} x {encoder.config.hidden_size}, converter ...", flush=True)
             converter += converter_rows(family, encoder, projector, processor, args.llama_cpp_dir, work)
             reference = Ours(encoder, projector, processor, torch.float64)
@@ -207,7 +225,16 @@ def count_row(family: str, projector_type: str, image: np.ndarray, llama: LlamaC
     return f"| {family} | {projector_type} | {h}x{w} | {grid[0]}x{grid[1]} | {expected} | {theirs} | {agree} |"
 
 
+SPEED_HEADER = [
+    "| tower | image | patches | llama.cpp f16 | llama.cpp f32 | ours fp32 | ours bf16 | f16 / bf16 | f32 / fp32 |",
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+]
+
+
 def speed_rows(family: str, images: list[np.ndarray], llamas: dict, contenders: dict, repeats: int) -> list[str]:
+    """Seconds per image of llama.cpp's encode (f16, f32 files) and this package's processor, tower and
+    projector (fp32, bf16), interleaved, median of ``repeats``; the ratios are llama.cpp's time over ours
+    at comparable precision (rows of :data:`SPEED_HEADER`)."""
     rows = []
     for image in images:
         h, w = image.shape[:2]
@@ -220,8 +247,8 @@ def speed_rows(family: str, images: list[np.ndarray], llamas: dict, contenders: 
         medians = {name: statistics.median(values) for name, values in times.items()}
         patches = (h // 14) * (w // 14)
         cells = " | ".join(f"{medians[name]:.2f}" for name in times)
-        ratio = medians["llama f32"] / medians["ours fp32"]
-        rows.append(f"| {family} | {h}x{w} | {patches} | {cells} | {ratio:.2f} |")
+        half, full = medians["llama f16"] / medians["ours bf16"], medians["llama f32"] / medians["ours fp32"]
+        rows.append(f"| {family} | {h}x{w} | {patches} | {cells} | {half:.2f}x | {full:.2f}x |")
     return rows
 
 
@@ -244,9 +271,8 @@ def report(args, images, errors, counts, speed, converter) -> None:
               "|---|---|---|---|---:|---:|---|", *counts]  # fmt: skip
     lines += ["", "## llama.cpp's converter against export_gguf", "", "| tower | dtype | result |", "|---|---|---|"]
     lines += converter
-    title = f"## Seconds per image (median of {args.repeats}, {args.threads} threads; ratio: llama.cpp f32 / ours fp32)"
-    header = "| tower | image | patches | llama.cpp f16 | llama.cpp f32 | ours fp32 | ours bf16 | ratio |"
-    lines += ["", title, "", header, "|---|---|---:|---:|---:|---:|---:|---:|", *speed]
+    title = f"## Seconds per image (median of {args.repeats}, {args.threads} threads; ratios: llama.cpp's / ours)"
+    lines += ["", title, "", *SPEED_HEADER, *speed]
     text = "\n".join(lines)
     print(text)
     if args.out:

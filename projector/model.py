@@ -47,6 +47,7 @@ from moonvit.devices import check_device
 from moonvit.files import save_safetensors_atomic, write_text_atomic
 from moonvit.model.blocks import RMSNorm
 from moonvit.model.config import DictConfig, MoonViTConfig, merge_kernel
+from moonvit.model.linear import linear
 from moonvit.weights.checkpoint import assign_from_files, checkpoint_folder, config_from_file, summarise_names
 from moonvit.weights.hub import HubSnapshot
 from moonvit.weights.storage import CheckpointError, open_tensor_file, read_json, tensor_files, tensor_names
@@ -209,7 +210,10 @@ class MoonViTProjector(nn.Module):
         x = merged.to(self.dtype)
         if self.pre_norm is not None:
             x = self.pre_norm(x)
-        x = self.linear_2(F.gelu(self.linear_1(x.flatten(-2))))
+        x = x.flatten(-2)
+        rows = x.reshape(-1, x.shape[-1])  # (tokens, kh * kw * D)
+        # moonvit's CPU linear: bf16 widened to float32 where the CPU has no bf16 arithmetic
+        x = linear(self.linear_2, F.gelu(linear(self.linear_1, rows))).reshape(*x.shape[:-1], -1)
         return x if self.post_norm is None else self.post_norm(x)
 
     def _check_input(self, merged: torch.Tensor) -> None:

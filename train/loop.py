@@ -27,6 +27,7 @@ from eval.datasets import DatasetError, load_dataset
 from moonvit.cli import apply_threads, one_line_warnings, torch_dtype
 from moonvit.distributed import Ranks, close_ranks, init_ranks
 from moonvit.files import write_text_atomic
+from moonvit.model.linear import cpu_has_bf16_arithmetic
 from moonvit.perf import matmul_peak
 
 from .batch import UnreadableImageError
@@ -94,6 +95,12 @@ def run(config: TrainConfig, ranks: Ranks, device: torch.device) -> dict[str, An
     if ranks.is_main:
         for message in data.warnings:
             warnings.warn(message, stacklevel=1)
+        if device.type == "cpu" and config.dtype == "bf16" and not cpu_has_bf16_arithmetic():
+            warnings.warn(
+                "--dtype bf16 on a CPU without bf16 arithmetic (no AVX512-BF16 or AMX): autocast's bf16 matmuls "
+                "are emulated here, several times slower than --dtype fp32",
+                stacklevel=1,
+            )
         if data.skipped:
             first = data.skipped[0]
             warnings.warn(

@@ -3,8 +3,9 @@
 Read top to bottom: :mod:`.config` (sizes and presets), :mod:`.grid` (everything a
 pack's grids determine, computed once per call), :mod:`.position` (the learnable
 table and its bicubic taps), :mod:`.rope` (2D rotary embedding), :mod:`.attention`
-(the backend registry), :mod:`.blocks` (the pre-LN block), :mod:`.encoder`
-(:class:`MoonViT`), :mod:`.interface` (what other packages need from an encoder).
+(the backend registry), :mod:`.linear` (CPU linears: fused epilogues, bf16 widened where the CPU
+has no bf16 arithmetic), :mod:`.blocks` (the pre-LN block), :mod:`.encoder` (:class:`MoonViT`),
+:mod:`.interface` (what other packages need from an encoder).
 """
 
 from .attention import attention_names, register_attention
@@ -12,6 +13,7 @@ from .config import PRESETS, MoonViTConfig, preset_config
 from .encoder import MoonViT, MoonViTOutput
 from .grid import PackedGrid, build_packed_grid, tokens_per_image
 from .interface import VisionEncoder
+from .linear import cpu_bf16_matmul, set_cpu_bf16_matmul
 
 __all__ = [
     "PRESETS",
@@ -22,7 +24,9 @@ __all__ = [
     "VisionEncoder",
     "attention_names",
     "build_packed_grid",
+    "cpu_bf16_matmul",
     "preset_config",
     "register_attention",
+    "set_cpu_bf16_matmul",
     "tokens_per_image",
 ]

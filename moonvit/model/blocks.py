@@ -14,7 +14,7 @@ from .attention import BoundAttention
 from .chunking import map_row_chunks
 from .config import MoonViTConfig
 from .grid import PackedGrid
-from .linear import linear
+from .linear import computes_in_float32, linear
 from .rope import apply_rope
 
 # The MLP runs over row chunks whose (rows, hidden) activation stays under
@@ -53,7 +53,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """(L, D) -> (L, D); with ``residual`` (L, D), ``residual + mlp(x)`` (added in fc1's epilogue on CPU)."""
-        row_bytes = self.fc0.out_features * x.element_size()
+        row_bytes = self.fc0.out_features * (4 if computes_in_float32(x) else x.element_size())
         if residual is None:
             return map_row_chunks(self._mlp, x, row_bytes=row_bytes, budget=MLP_CHUNK_BYTES)
         return map_row_chunks(self._mlp, x, residual, row_bytes=row_bytes, budget=MLP_CHUNK_BYTES)

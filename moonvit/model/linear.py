@@ -1,4 +1,4 @@
-"""Linear layers with their epilogue (bias, tanh GELU, a residual add) fused on CPU.
+"""Linear layers on CPU: the epilogue fused, and bf16 computed in float32 where the CPU has no bf16 arithmetic.
 
 In eager mode every elementwise step after a matmul is another pass over its
 output: ``addmm`` first copies the broadcast bias into the output (a layer without one,
@@ -6,8 +6,18 @@ as in Kimi K3, fuses the rest all the same), GELU reads and
 writes the (L, 4304) MLP activation once more, and each residual add reads two
 (L, D) tensors and writes a third. oneDNN's linear runs the bias, the tanh GELU or
 the residual add in the matmul's epilogue, on the float32 accumulator before the
-one rounding to bf16. :func:`linear` uses it for bf16 inference on CPU and falls
-back to the module's own forward everywhere else, so that:
+one rounding to bf16. :func:`linear` uses it for bf16 inference on CPU.
+
+An x86 CPU without AVX512-BF16 or AMX (AMD before Zen 4, Intel before Cooper Lake and
+Sapphire Rapids) has no bf16 arithmetic: oneDNN and torch emulate a bf16 matmul at about a
+quarter of the float32 GEMM's rate (57 against 230 GFLOP/s on an AVX-512 Xeon, 2 threads).
+There :func:`linear` widens the bf16 input and weight to float32 (exact: every bf16 value is
+a float32 value), runs the float32 GEMM with the same epilogue and rounds the result to bf16
+once: the arithmetic of the bf16 kernel (products summed in float32, one rounding at the
+end), in the order of another GEMM. The weight is widened per call, not kept (that would
+cost the memory bf16 weights save); :func:`set_cpu_bf16_matmul` chooses the path by hand.
+
+Everywhere else :func:`linear` is the module's own forward, so that:
 
 - hooks, LoRA / quantised / pruned replacements of the module, autograd (training),
   ``torch.compile`` and ONNX export see the plain ``nn.Linear`` call they expect;
@@ -17,19 +27,55 @@ back to the module's own forward everywhere else, so that:
 from __future__ import annotations
 
 import functools
+import platform
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
-__all__ = ["linear"]
+__all__ = ["CPU_BF16_MATMUL_MODES", "computes_in_float32", "cpu_bf16_matmul", "linear", "set_cpu_bf16_matmul"]
 
 # bf16 only: there the epilogue on the float32 accumulator saves a bf16 rounding of the
 # intermediate as well as a pass. float32 keeps MKL's addmm, so an fp32 forward gives the same
 # bits with autograd on and off (a frozen encoder inside a trained model).
 _FUSED_DTYPES = (torch.bfloat16,)
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+CPU_BF16_MATMUL_MODES = ("auto", "bf16", "float32")
+"""How bf16 linears run on CPU: ``auto`` (float32 where the CPU has no bf16 arithmetic), ``bf16``
+(oneDNN's or torch's bf16 kernels, emulated or not), ``float32`` (widened, then rounded once)."""
+_cpu_bf16_matmul = "auto"
+
+
+def set_cpu_bf16_matmul(mode: str) -> str:
+    """Choose how bf16 linears of the encoder and projector run in CPU inference; one of
+    :data:`CPU_BF16_MATMUL_MODES` (``auto`` at import). Returns the mode it replaces."""
+    global _cpu_bf16_matmul
+    if mode not in CPU_BF16_MATMUL_MODES:
+        raise ValueError(f"the CPU bf16 matmul mode must be one of {', '.join(CPU_BF16_MATMUL_MODES)}, got {mode!r}")
+    previous, _cpu_bf16_matmul = _cpu_bf16_matmul, mode
+    return previous
+
+
+def cpu_bf16_matmul() -> str:
+    """How bf16 linears run in CPU inference now: ``"bf16"`` or ``"float32"`` (``auto`` resolved)."""
+    if _cpu_bf16_matmul == "auto":
+        return "bf16" if cpu_has_bf16_arithmetic() else "float32"
+    return _cpu_bf16_matmul
+
+
+@functools.cache
+def cpu_has_bf16_arithmetic() -> bool:
+    """Whether this CPU multiplies bf16 in hardware. On x86: AVX512-BF16 or AMX, as torch reads
+    them. Other architectures are taken to have it (their bf16 kernels are left as they are)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    found = [getattr(torch.cpu, name, None) for name in checks]
+    if not any(found):  # a torch without the queries: keep its own kernels
+        return True
+    return any(check is not None and bool(check()) for check in found)
 
 
 @functools.cache
@@ -48,21 +94,41 @@ def onednn_bf16_linear() -> bool:
     return bool((out == 16).all())
 
 
-def _fusable(layer: nn.Module, x: torch.Tensor) -> bool:
-    """Whether the oneDNN call stands exactly for ``layer(x)`` followed by the epilogue."""
+def computes_in_float32(x: torch.Tensor) -> bool:
+    """Whether a bf16 linear on ``x`` runs widened to float32 (a CPU without bf16 arithmetic, or
+    ``set_cpu_bf16_matmul("float32")``), so its temporaries take 4 bytes per value."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and cpu_bf16_matmul() == "float32"
+
+
+def _plain_inference_call(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether nothing needs to see ``layer(x)`` as a module call: a plain ``nn.Linear`` in the input's
+    dtype, no autograd, no hooks, no tracing."""
     return (
-        _ONEDNN
-        and type(layer) is nn.Linear
-        and x.device.type == "cpu"
-        and x.dtype in _FUSED_DTYPES
+        type(layer) is nn.Linear
         and layer.weight.dtype == x.dtype
         and not (torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad))
         and not (layer._forward_hooks or layer._forward_pre_hooks)
         and not (_module._global_forward_hooks or _module._global_forward_pre_hooks)
         and not torch.compiler.is_compiling()
         and not torch.onnx.is_in_onnx_export()
-        and onednn_bf16_linear()
     )
+
+
+def _linear_epilogue(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu_tanh: bool, residual: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ weight.T + bias``, then tanh GELU or ``+ residual``: oneDNN's fused call where it exists."""
+    if _ONEDNN:
+        pointwise = torch.ops.mkldnn._linear_pointwise
+        if residual is not None:
+            return pointwise.binary(x, residual, weight, bias, "add")
+        if gelu_tanh:
+            return pointwise(x, weight, bias, "gelu", [], "tanh")
+        return pointwise(x, weight, bias, "none", [], "")
+    out = F.linear(x, weight, bias)
+    if gelu_tanh:
+        return F.gelu(out, approximate="tanh")
+    return out if residual is None else out.add_(residual)
 
 
 def linear(
@@ -80,14 +146,14 @@ def linear(
     """
     if gelu_tanh and residual is not None:
         raise ValueError("linear fuses a GELU or a residual add, not both")
-    if _fusable(layer, x):
-        pointwise = torch.ops.mkldnn._linear_pointwise
+    if x.device.type == "cpu" and x.dtype in _FUSED_DTYPES and _plain_inference_call(layer, x):
         assert isinstance(layer, nn.Linear)
-        if residual is not None:
-            return pointwise.binary(x, residual, layer.weight, layer.bias, "add")
-        if gelu_tanh:
-            return pointwise(x, layer.weight, layer.bias, "gelu", [], "tanh")
-        return pointwise(x, layer.weight, layer.bias, "none", [], "")
+        if computes_in_float32(x):
+            bias = None if layer.bias is None else layer.bias.float()
+            wide = None if residual is None else residual.float()
+            return _linear_epilogue(x.float(), layer.weight.float(), bias, gelu_tanh, wide).to(x.dtype)
+        if onednn_bf16_linear():
+            return _linear_epilogue(x, layer.weight, layer.bias, gelu_tanh, residual)
     out = layer(x)
     if gelu_tanh:
         return F.gelu(out, approximate="tanh")
