@@ -234,7 +234,7 @@ def bf16_linear_rows(args: argparse.Namespace) -> list[str]:
         f"auto picks {auto}), depth {args.depth}; transformers' tower as the common yardstick:",
         "",
         "| pack | bf16 kernels patches/s | widened patches/s | widened / kernels | peer patches/s "
-        "| widened / peer | max rel diff |",
+        "| widened / peer | relative difference |",
         "|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines))
