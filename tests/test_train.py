@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+import train.loop as train_loop
 from eval.datasets import Split
 from moonvit import MoonViT, MoonViTImageProcessor, build_packed_grid, patchify, preset_config
 from train.augment import AugmentConfig, mix_images
@@ -291,6 +293,16 @@ def test_resuming_with_other_threads_warns_and_supervised_runs_draw_no_pictures(
     assert not (tmp_path / "pictures").exists()
     with pytest.warns(UserWarning, match="resuming with 2 threads, where the run so far used 1"):
         train(*RUN, "--steps", "2", "--threads", "2", "--out", tmp_path)
+
+
+def test_bf16_on_a_cpu_without_bf16_arithmetic_warns_and_fp32_does_not(tmp_path, monkeypatch):
+    message = "--dtype bf16 on a CPU without bf16 arithmetic"
+    for hardware, dtype, warned in ((False, "bf16", True), (False, "fp32", False), (True, "bf16", False)):
+        monkeypatch.setattr(train_loop, "cpu_has_bf16_arithmetic", lambda hardware=hardware: hardware)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(*RUN, "--steps", "1", "--evals", "0", "--dtype", dtype, "--out", tmp_path / f"{hardware}-{dtype}")
+        assert any(message in str(w.message) for w in caught) is warned, (hardware, dtype)
 
 
 def test_a_budget_below_one_image_is_refused(tmp_path):
