@@ -10,7 +10,12 @@ packs and a K2.5 video pack, and checks:
   16x16 images: per-patch peak within 2x of the smallest pack's), far under one L x L matrix;
 - speed: MFU (model matmul FLOPs, attention included, over the measured bf16 matmul peak)
   of at least 45% at 1792x1792 with flash-attn's varlen kernel; every backend's MFU at
-  1792x1792 is printed beside it, and flex's first call (its compile included) is reported.
+  1792x1792 is printed beside it, and flex's first call (its compile included) is reported;
+- LocateAnything-3B's images (448x448, 1024x768 stretched to 56 x 74 patches, and one at its
+  25,600-patch limit): this package (``auto``) faster than the stock remote code without
+  flash-attn (one SDPA call under a dense (S, S) block mask, see ``bench_locateanything.py``),
+  with the seconds, the peak memory (an out-of-memory error recorded as such) and the two
+  outputs' relative difference.
 
     python benchmarks/cuda_check.py --out outputs/cuda_check.json        # the real so400m tower
     python benchmarks/cuda_check.py --device cpu --preset tiny --no-speed  # a smoke run without a GPU
@@ -27,11 +32,13 @@ import platform
 import time
 
 import torch
+from bench_locateanything import SIZES as LOCATEANYTHING_SIZES
+from bench_locateanything import STOCK, locateanything_grid, stock_sdpa_attention
 from common import as_thw, matmul_peak, model_flops
 
 from moonvit import PRESETS, MoonViT
 from moonvit.cli import device_name, output_file, positive_int
-from moonvit.model.attention import flash_attn_installed
+from moonvit.model.attention import flash_attn_installed, register_attention
 from moonvit.model.flex import first_call_seconds, flex_unavailable
 
 PACKS: dict[str, list[tuple[int, ...]]] = {
@@ -45,6 +52,7 @@ PACKS: dict[str, list[tuple[int, ...]]] = {
 MAX_RELATIVE_ERROR = 2e-2
 MIN_FLASH_MFU_1792 = 0.45
 MEMORY_COUNTS = (8, 32, 128)
+EAGER_MAX_SQUARES = 2 * 4096**2
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -75,6 +83,39 @@ def forward_peak_mib(model: MoonViT, pixels: torch.Tensor, grids: torch.Tensor, 
         model(pixels, grids)
     torch.cuda.synchronize(device)
     return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def locateanything_rows(report: dict, model: MoonViT, device: torch.device) -> None:
+    """LocateAnything-3B's three image sizes through ``model`` (bf16, on ``device``): ``auto``
+    against the stock dense-mask SDPA, one image a call; a pass line where ours is faster."""
+    register_attention(STOCK, stock_sdpa_attention)
+    for width, height in LOCATEANYTHING_SIZES.values():
+        rows, cols = locateanything_grid(width, height)
+        grids = torch.tensor([[rows, cols]])
+        pixels = torch.randn(rows * cols, 3, 14, 14, device=device, dtype=torch.bfloat16)
+        row: dict = {"size": f"{width}x{height}", "grid": [rows, cols], "patches": rows * cols}
+        outputs = {}
+        for name, backend in (("ours", "auto"), ("stock", STOCK)):
+            model.set_attn_implementation(backend)
+            try:
+                row[f"{name}_peak_mib"] = forward_peak_mib(model, pixels, grids, device)
+                with torch.no_grad():
+                    outputs[name], seconds = timed(lambda: model(pixels, grids).merged, device)
+                row[f"{name}_ms"] = seconds * 1e3
+            except torch.OutOfMemoryError as error:
+                row[f"{name}_peak_mib"], row[f"{name}_ms"] = "out of memory", None
+                row[f"{name}_error"] = str(error).split("\n")[0]
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if len(outputs) == 2:
+            row["rel_diff"] = relative_error(outputs["ours"], outputs["stock"])
+        report.setdefault("locateanything", []).append(row)
+        print(json.dumps(row), flush=True)
+        faster = row["stock_ms"] is None or row["ours_ms"] < row["stock_ms"]
+        stock = "out of memory" if row["stock_ms"] is None else f"{row['stock_ms']:.1f} ms"
+        check(report, f"LocateAnything {row['size']} ({rows}x{cols})", faster,
+              f"ours {row['ours_ms']:.1f} ms, {row['ours_peak_mib']:.0f} MiB; stock {stock}")  # fmt: skip
+    model.set_attn_implementation("auto")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             reference = reference_model(pixels, grids).last_hidden_state
         for backend in backends:
-            if backend == "eager" and int(grids.prod(dim=1).max()) > 4096:
+            # eager keeps every block's (heads, n, n) scores for the backward: two 4096-patch items at most
+            if backend == "eager" and int(grids.prod(dim=1).square().sum()) > EAGER_MAX_SQUARES:
                 continue
             model.set_attn_implementation(backend)
             x = pixels.to(device)
@@ -179,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         check(report, "memory linear in patches", linear,
               ", ".join(f"{c} x 256: {p:.0f} MiB" for c, p in peaks.items())
               + f"; one (L, L) bf16 matrix at the largest: {square:.0f} MiB")  # fmt: skip
+    if args.preset.startswith("so400m"):  # LocateAnything's tower is the so400m one
+        locateanything_rows(report, model, device)
     failed = [c["check"] for c in report["checks"] if not c["passed"]]
     print(f"{len(report['checks']) - len(failed)} of {len(report['checks'])} checks passed" +
           (f"; failed: {', '.join(failed)}" if failed else ""))  # fmt: skip

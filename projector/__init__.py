@@ -1,9 +1,11 @@
 """projector: MoonViT's merged patches into a language model's token stream.
 
 - :class:`MoonViTProjector` maps the encoder's ``out.merged`` (L / 4, 4, D) to
-  (L / 4, text_hidden_size): Kimi-VL's / Kimi-K2.5's projector, or a LLaVA-style
-  ``mlp2x_gelu`` one for training from scratch.
-- :func:`splice_visual_tokens` (one placeholder per visual token, Kimi-VL) and
+  (L / 4, text_hidden_size): Kimi-VL's / Kimi-K2.5's projector, Kimi K3's
+  ``patchmergerv2``, LocateAnything-3B's ``mlp1``, or a LLaVA-style ``mlp2x_gelu``
+  one for training from scratch.
+- :func:`splice_visual_tokens` (one placeholder per visual token: Kimi-VL, and
+  LocateAnything-3B's ``<IMG_CONTEXT>`` from :func:`locateanything_prompt`) and
   :func:`expand_visual_tokens` (one placeholder per image) put those tokens into
   a language model's ``inputs_embeds``.
 - ``python -m projector.export`` pre-computes visual tokens for a whole image
@@ -13,7 +15,14 @@
 
 from .dataset import VisualTokenDataset, collate_visual_tokens
 from .model import PROJECTOR_TYPES, MoonViTProjector, ProjectorConfig
-from .prompt import expand_media_pads, media_prompt, video_prompt
+from .prompt import (
+    IMG_CONTEXT_TOKEN_ID,
+    expand_media_pads,
+    locateanything_image_ids,
+    locateanything_prompt,
+    media_prompt,
+    video_prompt,
+)
 from .splice import (
     IGNORE_INDEX,
     MEDIA_PAD_TOKEN_ID,
@@ -25,6 +34,7 @@ from .splice import (
 
 __all__ = [
     "IGNORE_INDEX",
+    "IMG_CONTEXT_TOKEN_ID",
     "MEDIA_PAD_TOKEN_ID",
     "PROJECTOR_TYPES",
     "ExpandedInputs",
@@ -34,6 +44,8 @@ __all__ = [
     "expand_media_pads",
     "collate_visual_tokens",
     "expand_visual_tokens",
+    "locateanything_image_ids",
+    "locateanything_prompt",
     "media_prompt",
     "splice_visual_tokens",
     "video_prompt",

@@ -488,6 +488,8 @@ def manifest_line(
         "shard": shard,
         "offset": offset,
     }
+    if plan.stretched_size is not None:  # LocateAnything's rule: stretched, not padded, to the grid
+        line["stretched"] = list(plan.stretched_size)
     if item.chunk is not None:
         chunk = item.chunk.plan
         line.update(

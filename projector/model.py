@@ -1,6 +1,6 @@
 """The projector from MoonViT's merged patches to a language model's embedding space.
 
-Two architectures, chosen by :attr:`ProjectorConfig.projector_type`:
+Four architectures, chosen by :attr:`ProjectorConfig.projector_type`:
 
 - ``"kimi"``: Kimi-VL's and Kimi-K2.5's projector. LayerNorm over the D features
   of each patch (before the patches of a group are joined), then the kh * kw
@@ -9,6 +9,9 @@ Two architectures, chosen by :attr:`ProjectorConfig.projector_type`:
 - ``"patchmergerv2"``: Kimi K3's. No pre-norm: the kh * kw patches of a group
   concatenated to 4D, Linear(4D -> 4D), exact GELU, Linear(4D -> text_hidden_size),
   both without biases, then RMSNorm(text_hidden_size, eps) after them.
+- ``"mlp1"``: NVIDIA LocateAnything-3B's (InternVL's ``mlp1``). The kh * kw patches of a
+  group concatenated to 4D first, LayerNorm over that whole 4D vector, Linear(4D ->
+  text_hidden_size), exact GELU, Linear(text_hidden_size -> text_hidden_size).
 - ``"mlp2x_gelu"``: LLaVA-1.5's projector, for training from scratch. No norm;
   Linear(4D -> text_hidden_size), exact GELU, Linear(text_hidden_size ->
   text_hidden_size) on each flattened merged token.
@@ -26,6 +29,9 @@ projector fetched, see :mod:`moonvit.weights.hub`) in one of three layouts:
   ``mm_projector.{pre_norm,proj.0,proj.2}.*``.
 - Kimi K3's: ``mm_projector_type "patchmergerv2"`` in ``vision_config``, tensors
   ``mm_projector.{proj.0,proj.2,post_norm}.weight``.
+- LocateAnything-3B's: ``model_type "locateanything"``, tensors ``mlp1.{0,1,3}.*``
+  (``mlp1.2`` is the GELU). Its transformers-native layout in review upstream
+  (``model.multi_modal_projector.*``) is refused by name.
 
 Kimi checkpoints are usually sharded beside a large language model
 (``model.safetensors.index.json``); only the shards that hold projector tensors
@@ -49,10 +55,11 @@ from moonvit.model.blocks import RMSNorm
 from moonvit.model.config import DictConfig, MoonViTConfig, merge_kernel
 from moonvit.model.linear import linear
 from moonvit.weights.checkpoint import assign_from_files, checkpoint_folder, config_from_file, summarise_names
+from moonvit.weights.formats import LOCATEANYTHING
 from moonvit.weights.hub import HubSnapshot
 from moonvit.weights.storage import CheckpointError, open_tensor_file, read_json, tensor_files, tensor_names
 
-PROJECTOR_TYPES = ("kimi", "patchmergerv2", "mlp2x_gelu")
+PROJECTOR_TYPES = ("kimi", "patchmergerv2", "mlp1", "mlp2x_gelu")
 KIMI_PROJECTOR_TYPES = {"patchmerger": "kimi", "patchmergerv2": "patchmergerv2"}
 """A Kimi config's ``mm_projector_type`` -> this package's ``projector_type``."""
 CONFIG_FILE = "projector_config.json"
@@ -72,11 +79,11 @@ class ProjectorConfig(DictConfig):
     The defaults are Kimi-VL-A3B's projector (MoonViT-SO-400M into a 2048-wide LLM).
 
     Attributes:
-        projector_type: ``"kimi"``, ``"patchmergerv2"`` or ``"mlp2x_gelu"`` (see the module docstring).
+        projector_type: ``"kimi"``, ``"patchmergerv2"``, ``"mlp1"`` or ``"mlp2x_gelu"`` (see the module docstring).
         vision_hidden_size: D, the encoder's per-patch width.
         text_hidden_size: the language model's embedding width (the output width).
         merge_kernel_size: (kh, kw), patches per merged token along rows and columns.
-        layer_norm_eps: epsilon of the ``"kimi"`` pre-norm, or of the ``"patchmergerv2"`` post-norm.
+        layer_norm_eps: epsilon of the ``"kimi"`` and ``"mlp1"`` pre-norms, or of the ``"patchmergerv2"`` post-norm.
     """
 
     projector_type: str = "kimi"
@@ -106,8 +113,14 @@ class ProjectorConfig(DictConfig):
 
     @property
     def intermediate_size(self) -> int:
-        """Width between the two linears: 4D for the Kimi projectors, text_hidden_size for ``"mlp2x_gelu"``."""
-        return self.text_hidden_size if self.projector_type == "mlp2x_gelu" else self.merged_hidden_size
+        """Width between the two linears: 4D for the Kimi projectors, text_hidden_size for ``"mlp1"`` and
+        ``"mlp2x_gelu"``."""
+        return self.text_hidden_size if self.projector_type in ("mlp1", "mlp2x_gelu") else self.merged_hidden_size
+
+    @property
+    def pre_norm_size(self) -> int | None:
+        """The pre-norm's width: D (``"kimi"``: each patch), 4D (``"mlp1"``: each merged token), or None."""
+        return {"kimi": self.vision_hidden_size, "mlp1": self.merged_hidden_size}.get(self.projector_type)
 
     @property
     def bias(self) -> bool:
@@ -138,8 +151,8 @@ class MoonViTProjector(nn.Module):
     def __init__(self, config: ProjectorConfig) -> None:
         super().__init__()
         self.config = config
-        kimi, v2 = config.projector_type == "kimi", config.projector_type == "patchmergerv2"
-        self.pre_norm = nn.LayerNorm(config.vision_hidden_size, eps=config.layer_norm_eps) if kimi else None
+        norm, v2 = config.pre_norm_size, config.projector_type == "patchmergerv2"
+        self.pre_norm = None if norm is None else nn.LayerNorm(norm, eps=config.layer_norm_eps)
         self.linear_1 = nn.Linear(config.merged_hidden_size, config.intermediate_size, bias=config.bias)
         self.linear_2 = nn.Linear(config.intermediate_size, config.text_hidden_size, bias=config.bias)
         self.post_norm = RMSNorm(config.text_hidden_size, eps=config.layer_norm_eps) if v2 else None
@@ -151,7 +164,8 @@ class MoonViTProjector(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> MoonViTProjector:
-        """Load from a local folder or hub id: this project's format, a Kimi-VL or a Kimi-K2.5 checkpoint.
+        """Load from a local folder or hub id: this project's format, a Kimi-VL, Kimi-K2.5, Kimi K3 or
+        LocateAnything-3B checkpoint.
 
         ``projector_config.json``, where present, is read in preference to a
         Kimi ``config.json``. Only the projector's tensors are read; ``dtype``
@@ -208,9 +222,12 @@ class MoonViTProjector(nn.Module):
         """
         self._check_input(merged)
         x = merged.to(self.dtype)
-        if self.pre_norm is not None:
+        per_patch = self.config.projector_type == "kimi"  # Kimi normalises each patch, mlp1 the joined token
+        if self.pre_norm is not None and per_patch:
             x = self.pre_norm(x)
         x = x.flatten(-2)
+        if self.pre_norm is not None and not per_patch:
+            x = self.pre_norm(x)
         rows = x.reshape(-1, x.shape[-1])  # (tokens, kh * kw * D)
         # moonvit's CPU linear: bf16 widened to float32 where the CPU has no bf16 arithmetic
         x = linear(self.linear_2, F.gelu(linear(self.linear_1, rows))).reshape(*x.shape[:-1], -1)
@@ -253,8 +270,15 @@ class Layout:
 
     @property
     def roots(self) -> tuple[str, ...]:
-        """The name prefixes of its projector modules (``mm_projector.``, ...)."""
-        return tuple(sorted({m[: m.index("projector.") + len("projector.")] for m in self.modules.values()}))
+        """The name prefixes of its projector modules (``mm_projector.``, ``mlp1.``, ...)."""
+        return tuple(sorted({_root(module) for module in self.modules.values()}))
+
+
+def _root(module: str) -> str:
+    """``mm_projector.proj.0`` -> ``mm_projector.``; a module outside a ``*projector`` (``mlp1.0``) -> ``mlp1.``."""
+    if "projector." in module:
+        return module[: module.index("projector.") + len("projector.")]
+    return module.split(".", 1)[0] + "."
 
 
 OWN_LAYOUT = Layout(
@@ -283,12 +307,15 @@ KIMI_K3_LAYOUT = Layout(
     "Kimi K3 release",
     {"linear_1": "mm_projector.proj.0", "linear_2": "mm_projector.proj.2", "post_norm": "mm_projector.post_norm"},
 )
+LOCATEANYTHING_LAYOUT = Layout("LocateAnything-3B", {"pre_norm": "mlp1.0", "linear_1": "mlp1.1", "linear_2": "mlp1.3"})
 KIMI_LAYOUTS = (KIMI_VL_LAYOUT, KIMI_K25_LAYOUT, KIMI_K25_NATIVE_LAYOUT, KIMI_K25_HYBRID_LAYOUT, KIMI_K3_LAYOUT)
-LAYOUTS_OF_TYPE = {"kimi": KIMI_LAYOUTS[:4], "patchmergerv2": (KIMI_K3_LAYOUT,)}
-"""The layouts a Kimi config's projector type may be stored in."""
+RELEASE_LAYOUTS = (*KIMI_LAYOUTS, LOCATEANYTHING_LAYOUT)
+LAYOUTS_OF_TYPE = {"kimi": KIMI_LAYOUTS[:4], "patchmergerv2": (KIMI_K3_LAYOUT,), "mlp1": (LOCATEANYTHING_LAYOUT,)}
+"""The layouts a release config's projector type may be stored in."""
 EXPECTED_TENSORS = {
     "kimi": "multi_modal_projector.* for Kimi-VL, mm_projector.* or model.mm_projector.* for Kimi-K2.5",
     "patchmergerv2": "mm_projector.proj.0, mm_projector.proj.2 and mm_projector.post_norm for Kimi K3",
+    "mlp1": "mlp1.0, mlp1.1 and mlp1.3 for LocateAnything-3B",
 }
 
 
@@ -310,7 +337,7 @@ def _fetch_projector_files(snapshot: HubSnapshot) -> None:
         snapshot.file(WEIGHTS_FILE)
         return
     snapshot.file("config.json")
-    snapshot.tensors(*{root for layout in KIMI_LAYOUTS for root in layout.roots})
+    snapshot.tensors(*{root for layout in RELEASE_LAYOUTS for root in layout.roots})
 
 
 def _config_from_kimi(values: dict[str, Any], folder: Path) -> ProjectorConfig:
@@ -326,9 +353,11 @@ def _config_from_kimi(values: dict[str, Any], folder: Path) -> ProjectorConfig:
     vision, text = values.get("vision_config"), values.get("text_config") or {}
     if not isinstance(vision, dict) or not isinstance(text, dict):
         raise CheckpointError(
-            f"{folder}/config.json has no vision_config and text_config (not a Kimi-VL, K2.5 or K3 "
-            f"checkpoint), and {folder} has no {CONFIG_FILE}"
+            f"{folder}/config.json has no vision_config and text_config (not a Kimi-VL, K2.5, K3 or "
+            f"LocateAnything checkpoint), and {folder} has no {CONFIG_FILE}"
         )
+    if values.get("model_type") == LOCATEANYTHING:
+        return _config_from_locateanything(values, vision, text, folder)
     kind = vision.get("mm_projector_type", "patchmerger")
     activation = vision.get("projector_hidden_act", "gelu")
     if kind not in KIMI_PROJECTOR_TYPES or activation != "gelu":
@@ -357,6 +386,29 @@ def _config_from_kimi(values: dict[str, Any], folder: Path) -> ProjectorConfig:
         raise CheckpointError(f"{folder}/config.json: {error}") from error
 
 
+def _config_from_locateanything(
+    values: dict[str, Any], vision: dict[str, Any], text: dict[str, Any], folder: Path
+) -> ProjectorConfig:
+    """LocateAnything-3B's ``mlp1``: D from ``vision_config.hidden_size``, the output width from
+    ``text_config.hidden_size``; its two linears are what ``mlp_connector_layers 2`` says."""
+    layers = values.get("mlp_connector_layers", 2)
+    if layers != 2:
+        raise CheckpointError(
+            f"{folder}/config.json: mlp_connector_layers {layers!r} is not supported (LocateAnything's mlp1 has 2)"
+        )
+    if "hidden_size" not in vision or "hidden_size" not in text:
+        raise CheckpointError(f"{folder}/config.json lacks vision_config.hidden_size or text_config.hidden_size")
+    try:
+        return ProjectorConfig(
+            projector_type="mlp1",
+            vision_hidden_size=vision["hidden_size"],
+            text_hidden_size=text["hidden_size"],
+            merge_kernel_size=vision.get("merge_kernel_size", (2, 2)),
+        )
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{folder}/config.json: {error}") from error
+
+
 def _find_kimi_projector(folder: Path, projector_type: str) -> tuple[Layout, dict[Path, list[str]]]:
     """The layout (of those ``projector_type`` is stored in) whose tensors the folder holds, and the
     files that hold them (only those)."""
@@ -366,7 +418,12 @@ def _find_kimi_projector(folder: Path, projector_type: str) -> tuple[Layout, dic
         wanted = {layout.checkpoint_name(f"{module}.weight") for module in layout.modules}
         if wanted <= present:
             return layout, tensor_files(folder, layout.roots)
-    found = sorted(name for name in present if "projector." in name)
+    found = sorted(name for name in present if "projector." in name or name.startswith("mlp1."))
+    if projector_type == "mlp1" and any(name.startswith("model.multi_modal_projector.") for name in found):
+        raise CheckpointError(
+            f"{folder} is in LocateAnything's transformers-native layout (model.multi_modal_projector.*, a post-merge "
+            "norm), which this package does not load; load the release folder (tensors mlp1.0, mlp1.1, mlp1.3)"
+        )
     raise CheckpointError(
         f"{folder} holds no projector tensors ({EXPECTED_TENSORS[projector_type]})"
         + (f"; its projector tensors are {summarise_names(found)}" if found else "")

@@ -1,13 +1,21 @@
-"""The text around visual tokens in Kimi-K2.5 / K2.6 prompts.
+"""The text around visual tokens in the prompts of the families the package loads.
 
-Each image or video chunk enters the prompt as its media markers around one
-``<|media_pad|>``, which the processor side expands to the item's h * w / 4
-visual tokens (see :func:`expand_media_pads`); a video chunk is preceded by its
-timestamp, ``HH:MM:SS.fff``, the time of its first sampled frame.
+Kimi-K2.5 / K2.6: each image or video chunk enters the prompt as its media markers
+around one ``<|media_pad|>``, which the processor side expands to the item's
+h * w / 4 visual tokens (see :func:`expand_media_pads`); a video chunk is preceded
+by its timestamp, ``HH:MM:SS.fff``, the time of its first sampled frame.
+
+NVIDIA LocateAnything-3B: each image is ``<img>`` + ``<IMG_CONTEXT>`` x n + ``</img>``
+(n its visual tokens; ids 151666, 151665, 151667), written where the user's text
+says ``<image-N>`` (N counted from 1; see :func:`locateanything_prompt`). The
+``<IMG_CONTEXT>`` rows are then replaced one for one by
+:func:`~projector.splice.splice_visual_tokens` with
+``placeholder_token_id=IMG_CONTEXT_TOKEN_ID``.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import torch
@@ -15,7 +23,20 @@ import torch
 from moonvit.media.video import format_timestamp
 from moonvit.model.grid import GridInput, tokens_per_image
 
-__all__ = ["MEDIA_PAD", "expand_media_pads", "media_prompt", "video_prompt"]
+__all__ = [
+    "IMG_CONTEXT",
+    "IMG_CONTEXT_TOKEN_ID",
+    "IMG_END",
+    "IMG_END_TOKEN_ID",
+    "IMG_START",
+    "IMG_START_TOKEN_ID",
+    "MEDIA_PAD",
+    "expand_media_pads",
+    "locateanything_image_ids",
+    "locateanything_prompt",
+    "media_prompt",
+    "video_prompt",
+]
 
 MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END = (
     "<|media_begin|>",
@@ -55,3 +76,40 @@ def expand_media_pads(text: str, grid: GridInput, merge_kernel_size: Sequence[in
     for count, piece in zip(counts, pieces[1:]):
         out += [MEDIA_PAD * count, piece]
     return "".join(out)
+
+
+# ---- LocateAnything-3B --------------------------------------------------------------------------
+
+IMG_START, IMG_CONTEXT, IMG_END = "<img>", "<IMG_CONTEXT>", "</img>"
+IMG_START_TOKEN_ID, IMG_CONTEXT_TOKEN_ID, IMG_END_TOKEN_ID = 151666, 151665, 151667
+"""LocateAnything-3B's image markers in its Qwen2.5 vocabulary (``image_token_index`` is 151665)."""
+_IMAGE_REF = re.compile(r"<image-(\d+)>")
+
+
+def locateanything_prompt(text: str, grid: GridInput, merge_kernel_size: Sequence[int] = (2, 2)) -> str:
+    """Replace each ``<image-N>`` of ``text`` with image N's markers: ``<img>``, ``<IMG_CONTEXT>`` once per
+    visual token (h * w / 4, see :func:`~moonvit.tokens_per_image`), ``</img>``.
+
+    Args:
+        text: the user's text; images are referred to as ``<image-1>``, ``<image-2>``, ... in any order.
+        grid: (N, 2) or (N, 3) rows of the N images' patch grids (the processor's ``grid_hws``).
+
+    Raises:
+        ValueError: an ``<image-N>`` with no image N, or an image referred to other than exactly once.
+    """
+    counts = tokens_per_image(torch.as_tensor(grid), merge_kernel_size)
+    refs = [int(match) for match in _IMAGE_REF.findall(text)]
+    for number in refs:
+        if not 1 <= number <= len(counts):
+            raise ValueError(f"the text refers to <image-{number}>, but there are {len(counts)} images")
+    for number in range(1, len(counts) + 1):
+        if refs.count(number) != 1:
+            raise ValueError(f"image {number} is referred to {refs.count(number)} times in the text, not once")
+    return _IMAGE_REF.sub(lambda m: IMG_START + IMG_CONTEXT * counts[int(m.group(1)) - 1] + IMG_END, text)
+
+
+def locateanything_image_ids(num_tokens: int) -> list[int]:
+    """One image's token ids: ``<img>``, ``<IMG_CONTEXT>`` x ``num_tokens``, ``</img>``."""
+    if num_tokens < 1:
+        raise ValueError(f"an image has at least one visual token, got {num_tokens}")
+    return [IMG_START_TOKEN_ID, *[IMG_CONTEXT_TOKEN_ID] * num_tokens, IMG_END_TOKEN_ID]

@@ -423,3 +423,102 @@ def write_k3_release_folder(folder: Path, model: MoonViT, projector: MoonViTProj
         weight_map.update(dict.fromkeys(tensors, file))
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return folder
+
+
+# ---- NVIDIA LocateAnything-3B folders -----------------------------------------------------------------
+
+
+def tiny_locateanything(seed: int = 0, dtype: torch.dtype = torch.float64, text_hidden_size: int = 48):
+    """A LocateAnything-shaped pair at test size: the ``tiny`` Kimi-VL tower and an ``mlp1`` projector
+    (LayerNorm over 4D, Linear 4D -> T, GELU, Linear T -> T), both with non-trivial weights."""
+    model = tiny_model(seed, dtype)
+    projector = MoonViTProjector(ProjectorConfig.for_encoder(model.config, text_hidden_size, projector_type="mlp1"))
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in projector.named_parameters():
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
+            if name.startswith("pre_norm"):
+                param.copy_((1.0 if name.endswith("weight") else 0.0) + 0.3 * noise)
+            else:
+                param.copy_(noise / param.shape[-1] ** 0.5 if param.ndim == 2 else 0.2 * noise)
+    return model, projector.to(dtype).eval()
+
+
+LOCATEANYTHING_PREPROCESSOR = {
+    "auto_map": {
+        "AutoImageProcessor": "image_processing_locateanything.LocateAnythingImageProcessor",
+        "AutoProcessor": "processing_locateanything.LocateAnythingProcessor",
+    },
+    "in_token_limit": 25600, "patch_size": 14, "merge_kernel_size": [2, 2],
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+}  # fmt: skip
+LOCATEANYTHING_SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+"""The release's two shards as written here: the tower and ``mlp1`` in the first, the language model alone
+in the second (which the loaders must never open)."""
+
+
+def locateanything_config(model: MoonViT, text_hidden_size: int) -> dict:
+    """LocateAnything-3B's ``config.json``: its top-level keys, a Kimi-VL ``vision_config`` with the
+    bookkeeping keys the release carries, a Qwen2 ``text_config``."""
+    c = model.config
+    return {
+        "model_type": "locateanything",
+        "architectures": ["LocateAnythingForConditionalGeneration"],
+        "auto_map": {
+            "AutoConfig": "configuration_locateanything.LocateAnythingConfig",
+            "AutoModel": "modeling_locateanything.LocateAnythingForConditionalGeneration",
+        },
+        "image_token_index": 151665, "mlp_connector_layers": 2, "torch_dtype": "bfloat16",
+        "vision_config": {
+            "model_type": "moonvit", "auto_map": {"AutoConfig": "configuration_vit.MoonViTConfig"},
+            "torch_dtype": "bfloat16", "_attn_implementation_autoset": True,
+            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+            "patch_size": c.patch_size, "init_pos_emb_height": c.init_pos_emb_height,
+            "init_pos_emb_width": c.init_pos_emb_width, "merge_kernel_size": list(c.merge_kernel_size),
+        },
+        "text_config": {"model_type": "qwen2", "hidden_size": text_hidden_size, "num_hidden_layers": 36,
+                        "num_attention_heads": 16, "num_key_value_heads": 2, "vocab_size": 152681,
+                        "tie_word_embeddings": True},
+    }  # fmt: skip
+
+
+def locateanything_tensors(model: MoonViT, projector: MoonViTProjector) -> dict[str, torch.Tensor]:
+    """The release's tower and projector tensor names: ``vision_model.*`` and ``mlp1.{0,1,3}.*``."""
+    p = projector.state_dict()
+    tensors = {f"vision_model.{k}": v for k, v in model.state_dict().items()}
+    for ours, theirs in (("pre_norm", "mlp1.0"), ("linear_1", "mlp1.1"), ("linear_2", "mlp1.3")):
+        for kind in ("weight", "bias"):
+            tensors[f"{theirs}.{kind}"] = p[f"{ours}.{kind}"]
+    return {k: v.detach().contiguous() for k, v in tensors.items()}
+
+
+def write_locateanything_folder(
+    folder: Path,
+    model: MoonViT,
+    projector: MoonViTProjector,
+    *,
+    tensors: dict[str, torch.Tensor] | None = None,
+    config: dict | None = None,
+) -> Path:
+    """A folder laid out like the LocateAnything-3B release: its ``config.json`` and
+    ``preprocessor_config.json``, two shards and the index; ``tensors`` replaces the tower and
+    projector tensors (a damaged or other-layout checkpoint), ``config`` the config."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = config or locateanything_config(model, projector.config.text_hidden_size)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "preprocessor_config.json").write_text(json.dumps(LOCATEANYTHING_PREPROCESSOR))
+    text = projector.config.text_hidden_size
+    shards = {
+        LOCATEANYTHING_SHARDS[0]: locateanything_tensors(model, projector) if tensors is None else tensors,
+        LOCATEANYTHING_SHARDS[1]: {
+            "language_model.model.embed_tokens.weight": torch.zeros(8, text),
+            "language_model.lm_head.weight": torch.zeros(8, text),
+        },
+    }
+    weight_map = {}
+    for file, content in shards.items():
+        save_file(content, folder / file)
+        weight_map.update(dict.fromkeys(content, file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder

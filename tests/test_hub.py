@@ -20,12 +20,15 @@ import huggingface_hub.constants  # a lazy submodule: imported before the fixtur
 import pytest
 import torch
 from helpers import (
+    LOCATEANYTHING_SHARDS,
     randomize_,
     tiny_k3_model,
     tiny_k3_projector,
+    tiny_locateanything,
     tiny_model,
     write_k3_release_folder,
     write_kimi_vl_folder,
+    write_locateanything_folder,
 )
 from PIL import Image
 from safetensors.torch import save_file
@@ -255,6 +258,19 @@ def test_a_k3_release_loads_tower_and_projector_from_their_shards(tmp_path, offl
     assert same_weights(MoonViTProjector.from_pretrained("moonshotai/Kimi-K3"), projector)
     assert MoonViTImageProcessor.from_pretrained("moonshotai/Kimi-K3").in_token_limit == 65536
     assert "model-00003-of-00003.safetensors" not in requested
+
+
+def test_a_locateanything_release_loads_tower_projector_and_processor_without_its_language_model(
+    tmp_path, offline, requested
+):
+    encoder, projector = tiny_locateanything(dtype=torch.float32)
+    folder = write_locateanything_folder(tmp_path / "la", encoder, projector)
+    files = {p.name: p for p in folder.iterdir() if p.name != LOCATEANYTHING_SHARDS[1]}  # no LLM shard
+    write_hub_cache(offline, "nvidia/LocateAnything-3B", files)
+    assert same_weights(MoonViT.from_pretrained("nvidia/LocateAnything-3B"), encoder)
+    assert same_weights(MoonViTProjector.from_pretrained("nvidia/LocateAnything-3B"), projector)
+    assert MoonViTImageProcessor.from_pretrained("nvidia/LocateAnything-3B") == MoonViTImageProcessor.locateanything()
+    assert LOCATEANYTHING_SHARDS[1] not in requested
 
 
 def test_a_local_folder_wins_over_a_hub_id(tmp_path, offline, monkeypatch, models):

@@ -39,7 +39,9 @@ ImageInput = Image.Image | np.ndarray | torch.Tensor | str | os.PathLike
 """One image: a PIL image, an (H, W) / (H, W, C) array, a (C, H, W) / (H, W) tensor (arrays and
 tensors uint8 0-255 or floating 0-1), or a file path; C is 1, 3 or 4 (4 = RGBA)."""
 
-AlphaMode = Literal["composite", "drop"]
+AlphaMode = Literal["composite", "drop", "composite_rgba"]
+"""What :func:`load_image` does with transparency: "composite" paints every kind over the background,
+"drop" discards it, "composite_rgba" paints mode RGBA only and discards the rest (LocateAnything)."""
 Size = tuple[int, int]
 
 _ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
@@ -145,7 +147,10 @@ def load_image(
         - Transparency (an alpha band, or a ``transparency`` key in ``image.info`` as P, L and
           RGB images with a tRNS chunk have): ``alpha_mode="composite"`` alpha-composites the
           image over an opaque ``background_color``; ``"drop"`` discards alpha as Kimi-VL's
-          ``image.convert("RGB")`` does, which shows whatever colour transparent pixels store.
+          ``image.convert("RGB")`` does, which shows whatever colour transparent pixels store;
+          ``"composite_rgba"`` composites images of mode ``RGBA`` exactly (RGBa, LA, La, PA and a
+          ``transparency`` key are not) and drops alpha from every other mode, NVIDIA
+          LocateAnything's rule.
         - Every mode is mapped from its real value range onto 0-255 (Pillow's own conversion
           clips I, I;16 and F at 255, which turns them white or black):
             - ``I;16*`` (unsigned 16-bit): 0-65535, rounded;
@@ -268,13 +273,20 @@ def _to_rgb(image: Image.Image, alpha_mode: AlphaMode, background: tuple[int, in
     elif image.mode == "La":  # Pillow converts La to LA only
         image = image.convert("LA")
     try:
-        if alpha_mode == "composite" and (image.mode in _ALPHA_MODES or "transparency" in image.info):
+        if _composites(image, alpha_mode):
             canvas = Image.new("RGBA", image.size, (*background, 255))
             canvas.alpha_composite(image.convert("RGBA"))
             return canvas.convert("RGB")
         return image if image.mode == "RGB" else image.convert("RGB")
     except ValueError as error:  # Pillow: "conversion from <mode> to <mode> not supported"
         raise ImageLoadError(f"cannot convert Pillow mode {image.mode!r} to RGB: {error}") from error
+
+
+def _composites(image: Image.Image, alpha_mode: AlphaMode) -> bool:
+    """Whether ``image`` is painted over the background rather than converted with its alpha dropped."""
+    if alpha_mode == "composite_rgba":
+        return image.mode == "RGBA"
+    return alpha_mode == "composite" and (image.mode in _ALPHA_MODES or "transparency" in image.info)
 
 
 # A wide-range image whose values span fewer 8-bit levels than this, though they vary, comes out

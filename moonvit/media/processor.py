@@ -9,7 +9,9 @@ Each image goes through five steps, every one set by a field of :class:`MoonViTI
    scaled by ``sqrt(in_token_limit / ((W // p) * (H // p)))``, truncated to int, with Pillow
    bicubic on the uint8 image. Images are never upscaled.
 3. **Pad** the bottom and right with black (0 before normalisation) to multiples of
-   ``p * merge_kernel_size`` (28 px), so every image gives at least one merged token.
+   ``p * merge_kernel_size`` (28 px), so every image gives at least one merged token; with
+   ``stretch_input`` (NVIDIA LocateAnything's rule), **stretch** instead: a second Pillow bicubic
+   resize of the step-2 image to those multiples, each side rounded up.
 4. **Check** that no side exceeds ``patch_limit_on_one_side`` (512) patches, the encoder's
    position table: an error by default, or, with ``side_limit_mode="resize"``, Kimi-K2.5's
    per-side cap folded into step 2.
@@ -73,6 +75,17 @@ logger = logging.getLogger(__name__)
 CONFIG_NAME = "preprocessor_config.json"
 KIMI_UNUSED_KEYS = ("num_pooled_tokens",)
 """Keys of Kimi-VL's preprocessor_config.json that do not change the processing."""
+LOCATEANYTHING_SETTINGS: dict[str, Any] = {
+    "in_token_limit": 25600,
+    "stretch_input": True,
+    "patch_limit_on_one_side": 511,  # LocateAnything refuses a side of 512 patches
+    "image_mean": (0.5, 0.5, 0.5),
+    "image_std": (0.5, 0.5, 0.5),
+    "alpha_mode": "composite_rgba",
+    "background_color": (255, 255, 255),
+}
+"""NVIDIA LocateAnything's processor rule as :class:`MoonViTImageProcessor` fields; its
+``preprocessor_config.json`` values replace these (its class default limit is 4096, the file's 25600)."""
 
 
 class ImageSizeError(ValueError):
@@ -129,14 +142,19 @@ class ImagePlan:
         resized_size: (width, height) after the size-budget / side-limit resize (== ``size``
             when the image is not resized).
         box: (left, top, right, bottom) region of the resized image that becomes the output; the
-            part past its right and bottom edges is black padding.
+            part past its right and bottom edges is black padding (with ``stretch_input``: the
+            whole resized image, stretched instead).
         grid_hw: (rows, cols) of patches.
+        stretched_size: (width, height) = (cols * p, rows * p) that the resized image is stretched
+            to by a second Pillow bicubic resize (``stretch_input``); None when nothing is
+            stretched (padded or cropped output, or resized sides already multiples of ``p * merge``).
     """
 
     size: Size
     resized_size: Size
     box: Box
     grid_hw: Size
+    stretched_size: Size | None = None
 
     @property
     def num_patches(self) -> int:
@@ -176,20 +194,25 @@ class MoonViTImageProcessor:
         pad_input: pad to multiples of ``p * merge`` (upstream's shipped setting). False
             centre-crops to those multiples instead (upstream crops to multiples of p, which
             leaves grids the merger cannot split into 2x2 groups).
+        stretch_input: stretch each side up to a multiple of ``p * merge`` (Pillow bicubic, a
+            second resize after the budget's) instead of padding, as NVIDIA LocateAnything does.
+            It replaces the padding of ``pad_input=True``; with ``pad_input=False`` it is an error.
         image_mean, image_std: per-channel normalisation of pixels scaled to [0, 1].
         patch_limit_on_one_side: most patches along either side (the encoder's 512x512 tables).
         side_limit_mode: "error" refuses an image whose grid exceeds the limit, as Kimi-VL does
             (Kimi-VL also refuses exactly 512, which the encoder accepts); "resize" scales it
             down, with Kimi-K2.5's ``min(1, sqrt(limit / patches), 512 p / W, 512 p / H)``.
         alpha_mode: "composite" paints transparent pixels over ``background_color``; "drop"
-            discards alpha like upstream's ``convert("RGB")`` (see :func:`load_image`).
-        background_color: RGB (0-255) behind transparent pixels in "composite" mode.
+            discards alpha like upstream's ``convert("RGB")``; "composite_rgba" paints mode RGBA
+            only and drops every other alpha, as LocateAnything (see :func:`load_image`).
+        background_color: RGB (0-255) behind transparent pixels in the compositing modes.
     """
 
     patch_size: int = 14
     merge_kernel_size: tuple[int, int] = (2, 2)
     in_token_limit: int = 4096
     pad_input: bool = True
+    stretch_input: bool = False
     image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     patch_limit_on_one_side: int = 512
@@ -212,8 +235,11 @@ class MoonViTImageProcessor:
             raise ValueError("patch_limit_on_one_side must hold at least one merge kernel")
         _check_choice("side_limit_mode", self.side_limit_mode, SideLimitMode)
         _check_choice("alpha_mode", self.alpha_mode, AlphaMode)
-        if not isinstance(self.pad_input, bool):
-            raise ValueError(f"pad_input must be a bool, got {self.pad_input!r}")
+        for name in ("pad_input", "stretch_input"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.stretch_input and not self.pad_input:
+            raise ValueError("stretch_input=True and pad_input=False conflict: an image is stretched or cropped")
         for name, value in (
             ("merge_kernel_size", merge),
             ("image_mean", mean),
@@ -228,12 +254,15 @@ class MoonViTImageProcessor:
     def from_pretrained(cls, path: str | os.PathLike, **overrides: Any) -> MoonViTImageProcessor:
         """Read ``preprocessor_config.json`` from a checkpoint folder, the file itself, or a hub id.
 
-        Three forms are read (see :func:`image_settings`): this project's and Kimi-VL's flat
-        fields, a Kimi-K2.5 / K2.6 release's ``media_proc_cfg``, and transformers'
-        ``Kimi_K25ImageProcessor`` keys. A folder without the file gives the defaults. In the flat
-        form, Kimi-VL's bookkeeping keys (``image_processor_type``, ``auto_map``,
-        ``num_pooled_tokens``) are ignored and any other key that is not a field is named in a
-        warning. ``overrides`` replace the file's values.
+        Four forms are read (see :func:`image_settings`): this project's and Kimi-VL's flat
+        fields, a Kimi-K2.5 / K2.6 release's ``media_proc_cfg``, transformers'
+        ``Kimi_K25ImageProcessor`` keys, and NVIDIA LocateAnything's flat fields, recognised by an
+        ``auto_map`` naming LocateAnything or, in a file without ``image_processor_type``, by
+        ``"model_type": "locateanything"`` in the ``config.json`` beside it. A folder without the
+        file gives the defaults, or :meth:`locateanything` when its ``config.json`` is
+        LocateAnything's. In the flat forms, bookkeeping keys (``image_processor_type``,
+        ``auto_map``, ``processor_class``, ``num_pooled_tokens``) are ignored and any other key that
+        is not a field is named in a warning. ``overrides`` replace the file's values.
 
         Raises:
             CheckpointError: the path does not exist, or the file is not valid JSON or holds an
@@ -244,14 +273,19 @@ class MoonViTImageProcessor:
             raise CheckpointError(f"processor config path {path} does not exist")
         file = path / CONFIG_NAME if path.is_dir() else path
         if path.is_dir() and not file.is_file():
+            if _model_type(path) == "locateanything":
+                logger.info("no %s in %s: using LocateAnything's processor settings", CONFIG_NAME, path)
+                return cls.locateanything(**overrides)
             logger.info("no %s in %s: using the default processor settings", CONFIG_NAME, path)
             return cls(**overrides)
         config = read_json(file)
-        if image_settings_form(config) == "flat":
+        # A sibling config.json decides only for a file that does not name its processor type
+        model_type = None if "image_processor_type" in config else _model_type(file.parent)
+        if image_settings_form(config, model_type=model_type) in ("flat", "locateanything"):
             known = {f.name for f in dataclasses.fields(cls)}
             warn_unread_keys(file, config, {*known, *KIMI_UNUSED_KEYS})
         try:
-            return cls(**{**image_settings(config), **overrides})
+            return cls(**{**image_settings(config, model_type=model_type), **overrides})
         except (TypeError, ValueError) as error:
             raise CheckpointError(f"{file}: {error}") from error
 
@@ -265,6 +299,13 @@ class MoonViTImageProcessor:
     def kimi_k3(cls, **overrides: Any) -> MoonViTImageProcessor:
         """Kimi K3's image rule: K2.5's at 65536 patches (16384 LLM tokens)."""
         return cls.kimi_k25(**{"in_token_limit": 65536, **overrides})
+
+    @classmethod
+    def locateanything(cls, **overrides: Any) -> MoonViTImageProcessor:
+        """NVIDIA LocateAnything-3B's image rule: 25600 patches, sides stretched (not padded) to
+        multiples of 28 px, a side of 512 patches refused, mean / std 0.5, mode RGBA composited on
+        white and every other alpha dropped."""
+        return cls(**{**LOCATEANYTHING_SETTINGS, **overrides})
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
         """Write the settings to ``directory/preprocessor_config.json`` and return that path."""
@@ -280,7 +321,7 @@ class MoonViTImageProcessor:
     # ---- geometry --------------------------------------------------------------------------
 
     def plan_image(self, width: int, height: int, *, in_token_limit: int | None = None) -> ImagePlan:
-        """The resize, padding and patch grid of a ``width`` x ``height`` image, without pixels.
+        """The resize, padding (or stretch) and patch grid of a ``width`` x ``height`` image, without pixels.
 
         ``in_token_limit`` replaces the processor's own budget for this image.
 
@@ -294,15 +335,23 @@ class MoonViTImageProcessor:
         _check_positive_int("in_token_limit", limit)
         scale = self._scale(width, height, limit)
         resized = (width, height) if scale >= 1 else (max(1, int(width * scale)), max(1, int(height * scale)))
-        box = self._box(*resized)
-        grid = ((box[3] - box[1]) // self.patch_size, (box[2] - box[0]) // self.patch_size)
+        stretched = None
+        if self.stretch_input:
+            box = (0, 0, *resized)  # the whole resized image, stretched
+            out_w, out_h = self._round_up(*resized)
+            if (out_w, out_h) != resized:
+                stretched = (out_w, out_h)
+        else:
+            box = self._box(*resized)
+            out_w, out_h = box[2] - box[0], box[3] - box[1]
+        grid = (out_h // self.patch_size, out_w // self.patch_size)
         if max(grid) > self.patch_limit_on_one_side:
             raise ImageSizeError(
                 f"a {width}x{height} image gives a {grid[0]}x{grid[1]} patch grid: a side over "
-                f"{self.patch_limit_on_one_side} patches exceeds the position table (side_limit_mode='resize', "
-                "--side-limit-mode resize on the command lines, scales such images down)"
+                f"{self.patch_limit_on_one_side} patches (patch_limit_on_one_side) exceeds the position table "
+                "(side_limit_mode='resize', --side-limit-mode resize on the command lines, scales such images down)"
             )
-        return ImagePlan((width, height), resized, box, grid)
+        return ImagePlan((width, height), resized, box, grid, stretched)
 
     def _scale(self, width: int, height: int, limit: int) -> float:
         """Resize factor: the token budget, and in "resize" mode the per-side cap (never > 1)."""
@@ -315,10 +364,15 @@ class MoonViTImageProcessor:
             scale = min(scale, max_w / width, max_h / height)
         return scale
 
-    def _box(self, width: int, height: int) -> Box:
+    def _round_up(self, width: int, height: int) -> Size:
+        """(width, height) rounded up to multiples of ``p * merge_kernel_size``, in px."""
         unit_h, unit_w = (kernel * self.patch_size for kernel in self.merge_kernel_size)
+        return -(-width // unit_w) * unit_w, -(-height // unit_h) * unit_h
+
+    def _box(self, width: int, height: int) -> Box:
         if self.pad_input:
-            return (0, 0, -(-width // unit_w) * unit_w, -(-height // unit_h) * unit_h)
+            return (0, 0, *self._round_up(width, height))
+        unit_h, unit_w = (kernel * self.patch_size for kernel in self.merge_kernel_size)
         crop_w, crop_h = width // unit_w * unit_w, height // unit_h * unit_h
         if crop_w == 0 or crop_h == 0:
             raise ImageSizeError(
@@ -368,10 +422,13 @@ class MoonViTImageProcessor:
 
     @staticmethod
     def render(image: Image.Image, plan: ImagePlan) -> torch.Tensor:
-        """Resize (Pillow bicubic on uint8) and pad an RGB image: (3, rows * p, cols * p) uint8."""
+        """Resize (Pillow bicubic on uint8) and pad, crop or stretch an RGB image: (3, rows * p, cols * p) uint8."""
         if image.size != plan.resized_size:
             image = image.resize(plan.resized_size, Image.Resampling.BICUBIC)
-        if plan.box != (0, 0, *image.size):
+        if plan.stretched_size is not None:
+            # A second resize, as LocateAnything does: one resize to the final size differs in pixels
+            image = image.resize(plan.stretched_size, Image.Resampling.BICUBIC)
+        elif plan.box != (0, 0, *image.size):
             image = image.crop(plan.box)  # Pillow fills the area past the image with 0: black padding
         return torch.from_numpy(np.array(image)).permute(2, 0, 1)
 
@@ -404,6 +461,15 @@ def _fetch_video_processor_files(snapshot: HubSnapshot) -> None:
     snapshot.optional_file(VIDEO_CONFIG_NAME, unknown="absent")
 
 
+def _model_type(folder: Path) -> str | None:
+    """``model_type`` of the checkpoint config ``folder/config.json``; None without one."""
+    file = folder / "config.json"
+    if not file.is_file():
+        return None
+    value = read_json(file).get("model_type")
+    return value if isinstance(value, str) else None
+
+
 def _check_positive_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -429,24 +495,38 @@ def _fields_of(cls: type, values: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in values.items() if k in known}
 
 
-def image_settings_form(config: dict[str, Any]) -> str:
-    """Which ``preprocessor_config.json`` form ``config`` is: ``"media_proc_cfg"``, ``"transformers"`` or ``"flat"``."""
+def image_settings_form(config: dict[str, Any], *, model_type: str | None = None) -> str:
+    """Which ``preprocessor_config.json`` form ``config`` is: ``"media_proc_cfg"``, ``"transformers"``,
+    ``"locateanything"`` or ``"flat"``.
+
+    LocateAnything's file has no ``image_processor_type``: it is known by an ``auto_map`` value
+    naming LocateAnything, or by ``model_type`` (the checkpoint's ``config.json``'s) being
+    ``"locateanything"``.
+    """
     if isinstance(config.get("media_proc_cfg"), dict):
         return "media_proc_cfg"
     if str(config.get("image_processor_type", "")).startswith("Kimi_K25") or "max_patches" in config:
         return "transformers"
+    auto_map = config.get("auto_map")
+    names = auto_map.values() if isinstance(auto_map, dict) else ()
+    if model_type == "locateanything" or any("locateanything" in str(name).lower() for name in names):
+        return "locateanything"
     return "flat"
 
 
-def image_settings(config: dict[str, Any]) -> dict[str, Any]:
+def image_settings(config: dict[str, Any], *, model_type: str | None = None) -> dict[str, Any]:
     """:class:`MoonViTImageProcessor` fields from any of the ``preprocessor_config.json`` forms:
 
     - flat fields (this project's, Kimi-VL's): taken as they are;
     - ``media_proc_cfg`` (Kimi-K2.5 / K2.6 releases): ``in_patch_limit`` is the budget,
       ``patch_limit_on_one_side`` the per-side cap, applied by resizing;
-    - transformers' ``Kimi_K25ImageProcessor``: ``max_patches``, ``size.max_height``, ``merge_size``.
+    - transformers' ``Kimi_K25ImageProcessor``: ``max_patches``, ``size.max_height``, ``merge_size``;
+    - NVIDIA LocateAnything's (see :func:`image_settings_form`; ``model_type`` as there):
+      :data:`LOCATEANYTHING_SETTINGS` with the file's flat fields in their place.
     """
-    form = image_settings_form(config)
+    form = image_settings_form(config, model_type=model_type)
+    if form == "locateanything":
+        return {**LOCATEANYTHING_SETTINGS, **_fields_of(MoonViTImageProcessor, config)}
     if form == "media_proc_cfg":
         media = config["media_proc_cfg"]
         fields = _fields_of(MoonViTImageProcessor, media)

@@ -10,6 +10,8 @@ its cache first, only the files needed), in safetensors or torch pickle files
   shards that hold vision tensors are opened, and only those tensors are read.
 - transformers' ``kimi_k25`` folders, in its native tensor names or in the
   hybrid names its ``save_pretrained`` writes (see :mod:`moonvit.weights.formats`).
+- NVIDIA LocateAnything-3B's release: ``model_type "locateanything"``, the same tower
+  tensors under ``vision_model.``, beside its projector ``mlp1.*`` and the language model.
 - This project's own (also MoonViT-SO-400M's standalone layout): ``config.json``
   with the encoder fields at the top level and unprefixed tensor names in
   ``model.safetensors``, which :func:`save_pretrained` writes.
@@ -68,7 +70,10 @@ def read_config(folder: Path) -> tuple[MoonViTConfig, TowerLayout]:
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"{path}: {error}") from error
     names = () if family == "own" else tensor_names(folder)
-    return config, detect_tower_layout(names, family, config.num_attention_heads)
+    try:
+        return config, detect_tower_layout(names, family, config.num_attention_heads)
+    except ValueError as error:
+        raise CheckpointError(f"{folder}: {error}") from error
 
 
 def checkpoint_folder(source: str | os.PathLike, fetch: Callable[[HubSnapshot], None]) -> Path:

@@ -15,12 +15,15 @@ Configs (``config.json``):
   own names; an RMSNorm tower without an eps key takes its dtype's epsilon);
 - transformers' native ``kimi_k25``: ``vision_config`` with ``model_type
   "kimi_k25_vision"``, ``hidden_size``, ``pos_emb_height / width / time``,
-  ``hidden_act`` and ``rope_parameters``.
+  ``hidden_act`` and ``rope_parameters``;
+- NVIDIA LocateAnything-3B's: top-level ``model_type "locateanything"``, a Kimi-VL
+  ``vision_config`` (the tower is Kimi-VL's MoonViT with other weights).
 
 Tensor layouts of the tower (the same weights under four sets of names):
 
 - ``own``: this project's names (``encoder.blocks.N.wqkv``, ...), no prefix;
-- ``release``: Kimi-VL's and Kimi-K2.5's, ``vision_tower.`` + the same names;
+- ``release``: Kimi-VL's and Kimi-K2.5's, ``vision_tower.`` + the same names; LocateAnything's,
+  ``vision_model.`` + the same names;
 - ``hybrid``: what transformers 5.x's ``save_pretrained`` writes for a
   ``kimi_k25`` model: the release names, except
   ``vision_tower.encoder.patch_embed.proj.*``;
@@ -28,6 +31,11 @@ Tensor layouts of the tower (the same weights under four sets of names):
   ``norm1 / norm2``, ``mlp.fc1 / fc2``, ``attn.proj``,
   ``patch_embed.pos_emb.position_embeddings``) with q / k rows permuted per
   head from interleaved RoPE pairs to halves; they are permuted back here.
+
+LocateAnything's transformers-native layout (in review upstream: ``model.vision_tower.blocks.N.attn.wqkv``
+with q / k rows permuted for a rotate-half RoPE, ``model.multi_modal_projector.*`` with a
+post-merge norm) is refused by name: its permutation is not settled, and a tower loaded with
+its rows in the wrong order runs without error and answers wrong.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from .config_keys import warn_unread_keys
 
 __all__ = [
     "BLOCK_RENAMES",
+    "LOCATEANYTHING",
     "PROJECTOR_KEYS",
     "TOWER_PREFIXES",
     "TensorSource",
@@ -54,7 +63,11 @@ __all__ = [
 ]
 
 # Every layout's tower tensors start with one of these (own folders: no prefix).
-TOWER_PREFIXES = ("vision_tower.", "model.vision_tower.")
+TOWER_PREFIXES = ("vision_tower.", "model.vision_tower.", "vision_model.")
+
+LOCATEANYTHING = "locateanything"
+"""The top-level ``model_type`` of NVIDIA's LocateAnything-3B, and its family's name here."""
+_LOCATEANYTHING_PREFIX = "vision_model."
 
 # Block submodules: ours (Kimi-VL's names) -> transformers' native names.
 BLOCK_RENAMES = {"norm0": "norm1", "norm1": "norm2", "wo": "attn.proj", "mlp.fc0": "mlp.fc1", "mlp.fc1": "mlp.fc2"}
@@ -118,8 +131,9 @@ def encoder_config_from_json(values: dict[str, Any], where: str | Path) -> tuple
     """The encoder config of a ``config.json`` dict, and the family it was read as.
 
     Families: ``"own"``, ``"kimi-vl"``, ``"kimi-k25"`` (release keys), ``"kimi-k3"`` (release
-    keys with K3's switches) and ``"kimi-k25-transformers"``. Keys the package does not read are named in one
-    warning (:func:`~moonvit.weights.config_keys.warn_unread_keys`); ``where`` names the file.
+    keys with K3's switches), ``"kimi-k25-transformers"`` and ``"locateanything"`` (Kimi-VL's keys).
+    Keys the package does not read are named in one warning
+    (:func:`~moonvit.weights.config_keys.warn_unread_keys`); ``where`` names the file.
 
     Raises:
         ValueError: an architecture switch this package does not implement
@@ -157,6 +171,11 @@ def encoder_config_from_json(values: dict[str, Any], where: str | Path) -> tuple
         if "rope_theta" in rope:
             fields["rope_theta"] = float(rope["rope_theta"])
         return MoonViTConfig(**fields), "kimi-k25-transformers"
+    if values.get("model_type") == LOCATEANYTHING:
+        if vision.get("model_type", "moonvit") != "moonvit":
+            raise ValueError(f"vision_config: model_type {vision['model_type']!r} is not LocateAnything's 'moonvit'")
+        warn_unread_keys(vision_where, vision, _KIMI_VL_KEYS)
+        return MoonViTConfig(**_mapped(vision, _KIMI_VL_KEYS)), LOCATEANYTHING
     warn_unread_keys(vision_where, vision, {*_KIMI_VL_KEYS, *PROJECTOR_KEYS})
     return MoonViTConfig(**_mapped(vision, _KIMI_VL_KEYS)), "kimi-vl"
 
@@ -240,12 +259,49 @@ def detect_tower_layout(names: Collection[str], family: str, heads: int) -> Towe
     """The layout of a folder's tower tensors from their names (``names``: every tensor of the folder).
 
     The own family is always ``own``; the Kimi families are told apart by the names
-    themselves, since transformers writes all three with the same config.
+    themselves, since transformers writes all three with the same config. LocateAnything's
+    release is ``release`` under ``vision_model.``.
+
+    Raises:
+        ValueError: a LocateAnything config over tensors that are not its release's (a Kimi-VL
+            tower mislabelled, or the transformers-native layout this package refuses), named.
     """
     if family == "own":
         return TowerLayout("own", "")
+    if family == LOCATEANYTHING:
+        return _locateanything_layout(names)
+    if any(name.startswith(_LOCATEANYTHING_PREFIX) for name in names) and not any(
+        name.startswith(TOWER_PREFIXES[:2]) for name in names
+    ):
+        raise ValueError(
+            f"the folder's tower tensors are {_LOCATEANYTHING_PREFIX}* (LocateAnything's names), but config.json is "
+            f"read as {family}: a LocateAnything release's config.json has model_type {LOCATEANYTHING!r}"
+        )
     if any(name.startswith("model.vision_tower.layers.") for name in names):
         return TowerLayout("native", "model.vision_tower.", heads)
     if "vision_tower.encoder.patch_embed.proj.weight" in names:
         return TowerLayout("hybrid", "vision_tower.")
     return TowerLayout("release", "vision_tower.")
+
+
+def _locateanything_layout(names: Collection[str]) -> TowerLayout:
+    # No names yet: a hub snapshot before its index is fetched.
+    if not names or any(name.startswith(_LOCATEANYTHING_PREFIX) for name in names):
+        return TowerLayout("release", _LOCATEANYTHING_PREFIX)
+    if any(name.startswith("model.vision_tower.") for name in names):
+        raise ValueError(
+            "this is LocateAnything's transformers-native layout (model.vision_tower.blocks.N.attn.wqkv, q / k rows "
+            "permuted for a rotate-half RoPE, model.multi_modal_projector.*), which this package does not load: its "
+            "RoPE permutation is not settled upstream, and a tower read with its rows in the wrong order answers "
+            "wrong without an error. Load the release folder (tensors vision_model.* and mlp1.*)"
+        )
+    found = sorted({name.split(".", 1)[0] + "." for name in names})
+    hint = (
+        "; vision_tower.* is a Kimi-VL release's tower: is its config.json mislabelled?"
+        if "vision_tower." in found
+        else ""
+    )
+    raise ValueError(
+        f"config.json says LocateAnything (model_type {LOCATEANYTHING!r}), whose tower tensors are "
+        f"{_LOCATEANYTHING_PREFIX}*, but the folder has none (its tensors start with {', '.join(found)}{hint})"
+    )
