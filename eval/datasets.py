@@ -23,6 +23,7 @@ import numpy as np
 
 from moonvit.files import files_below, folder_problem
 from moonvit.media.image import IMAGE_EXTENSIONS
+from moonvit.names import display_name, text_bytes
 
 from .splits import stratified_split
 
@@ -82,7 +83,7 @@ class Split:
         else:
             for path in self.images:
                 stat = os.stat(path)
-                digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+                digest.update(text_bytes(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n"))  # any file name
         return digest.hexdigest()
 
 
@@ -213,9 +214,9 @@ def _class_files(folder: Path) -> tuple[dict[str, list[Path]], list[str]]:
     for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
         files, _ = files_below(sub, IMAGE_EXTENSIONS)
         if files:
-            classes[sub.name] = files
+            classes[display_name(sub.name)] = files  # a class name is text of reports and pictures
         else:
-            empty.append(sub.name)
+            empty.append(display_name(sub.name))
     if not classes:
         raise DatasetError(f"image folder {folder} has no class subfolders with images ({sorted(IMAGE_EXTENSIONS)})")
     return classes, empty
@@ -236,6 +237,7 @@ def _to_split(files: dict[str, list[Path]], classes: Sequence[str]) -> Split:
 
 
 def _image_folder(spec: str, root: Path, seed: int) -> Dataset:
+    spec = display_name(spec)  # the name of progress bars, titles and records: a path that may not be UTF-8
     if (root / "train").is_dir():
         test_dir = next((root / name for name in ("test", "val") if (root / name).is_dir()), None)
         if test_dir is None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from moonvit import MoonViT, MoonViTImageProcessor
+from moonvit import MoonViT, MoonViTImageProcessor, preset_processors
 from moonvit.weights.checkpoint import update_weights_digest
 from moonvit.weights.hub import source_label
 
@@ -22,7 +22,7 @@ class FrozenEncoder:
 
     Attributes:
         model: the encoder, in eval mode, gradients off.
-        processor: the checkpoint's image processor (defaults for presets).
+        processor: the checkpoint's image processor (a preset's: its family rule).
         source: ``checkpoint:PATH`` or ``preset:NAME`` (random init, seed).
         hash: sha256 identifying the weights (see :func:`weights_hash`).
     """
@@ -72,7 +72,7 @@ def load_frozen_encoder(
             raise ValueError(f"preset {preset!r} has no trained weights; pass --random-init to probe a random encoder")
         torch.manual_seed(seed)
         model = MoonViT.from_preset(preset).to(device=device, dtype=dtype)
-        processor = MoonViTImageProcessor(**overrides)
+        processor = preset_processors(preset, **overrides).image  # the preset's family rule
         source, prefix = f"preset:{preset} (random init, seed {seed})", f"preset:{preset}:seed:{seed}"
     model.eval().requires_grad_(False)
     return FrozenEncoder(model, processor, source, weights_hash(model, prefix))

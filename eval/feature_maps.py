@@ -4,6 +4,10 @@ as RGB, encoders side by side (DINO's and RADIO's picture of a teacher beside it
     python -m eval.feature_maps --checkpoint checkpoints/fm-mae-ft --checkpoint checkpoints/fm-distilled \
         --dataset fashion-mnist --count 6 --short-side 168
     # -> outputs/pictures/feature-maps-fm-mae-ft-fm-distilled.png (or --out FILE.png)
+    python -m eval.feature_maps --checkpoint checkpoints/fm-mae-ft --dataset images:photos/
+
+The images are a seeded choice of a dataset's test split, or of the images below a folder
+(``images:DIR``, at any depth: a picture needs no labels).
 
 Per encoder, one PCA over the patch tokens (``last_hidden_state``) of all shown images together,
 so colours compare across images; each component is stretched to [0, 1] between its 1st and 99th
@@ -35,11 +39,49 @@ from moonvit.cli import (
     output_file,
     positive_int,
 )
+from moonvit.files import files_below, folder_problem
+from moonvit.media.image import IMAGE_EXTENSIONS, ImageInput
+from moonvit.names import display_name
 
 from .datasets import DatasetError, load_dataset
 from .features import ResizePolicy
 
-__all__ = ["align_signs", "patch_tokens", "pca_rgb", "save_feature_maps"]
+__all__ = ["UNLABELLED_PREFIX", "align_signs", "patch_tokens", "pca_rgb", "save_feature_maps", "shown_images"]
+
+UNLABELLED_PREFIX = "images:"
+"""``--dataset images:DIR``: the images below DIR, at any depth; the pictures need no labels."""
+
+
+def shown_images(spec: str, data_dir: Path | None, count: int, seed: int) -> tuple[str, list[ImageInput], list[str]]:
+    """A seeded choice of ``count`` images (all when fewer) of a ``--dataset`` spec: a labelled
+    dataset's test split, or the images below DIR for ``images:DIR``.
+
+    Returns:
+        (what the images are, for the title; the images in a stable order; their names).
+
+    Raises:
+        DatasetError: an unknown spec, missing files, or a folder with no image.
+    """
+    if spec.startswith(UNLABELLED_PREFIX):
+        folder = Path(spec.removeprefix(UNLABELLED_PREFIX))
+        problem = folder_problem(folder)
+        if problem is not None:
+            raise DatasetError(f"image folder {folder} {problem}")
+        files, _ = files_below(folder, IMAGE_EXTENSIONS)
+        if not files:
+            raise DatasetError(f"{folder} holds no images ({' '.join(sorted(IMAGE_EXTENSIONS))}), at any depth")
+        rows = _choose(len(files), count, seed)
+        # names are text of the title and the record: a file name that is not UTF-8 is escaped
+        names = [display_name(files[row].relative_to(folder).as_posix()) for row in rows]
+        return f"images of {display_name(folder)}", [files[row] for row in rows], names
+    test = load_dataset(spec, data_dir, seed=seed).test
+    rows = _choose(len(test), count, seed)
+    return f"{spec} test images", [test.images[row] for row in rows], [f"test #{row}" for row in rows]
+
+
+def _choose(total: int, count: int, seed: int) -> list[int]:
+    """``count`` of ``range(total)`` (all when fewer), seeded, in ascending order."""
+    return sorted(np.random.default_rng(seed).choice(total, min(count, total), replace=False).tolist())
 
 
 @torch.no_grad()
@@ -115,9 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint", action="append", required=True, type=checkpoint_source,
         help="a checkpoint folder or hub id; repeat for encoders side by side (the first sets the colours)",
     )  # fmt: skip
-    parser.add_argument("--dataset", default="fashion-mnist", help="fashion-mnist, digits or imagefolder:DIR")
+    parser.add_argument(
+        "--dataset", default="fashion-mnist",
+        help="fashion-mnist, digits or imagefolder:DIR (their test images), or images:DIR (the images below "
+        "DIR, no labels needed; default: fashion-mnist)",
+    )  # fmt: skip
     parser.add_argument("--data-dir", type=existing_folder, help="Fashion-MNIST IDX folder")
-    parser.add_argument("--count", type=positive_int, default=6, help="test images shown (default: 6)")
+    parser.add_argument("--count", type=positive_int, default=6, help="images shown (default: 6)")
     parser.add_argument(
         "--short-side", type=positive_int, default=168,
         help="images resized to this short side, px (default: 168: 12 x 12 patches for a square image)",
@@ -133,13 +179,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     apply_threads(args.threads)
     with exit_on(parser, DatasetError, ValueError):
-        dataset = load_dataset(args.dataset, args.data_dir, seed=args.seed)
-        test = dataset.test
-        rows = np.random.default_rng(args.seed).choice(len(test), min(args.count, len(test)), replace=False)
+        shown, images, image_names = shown_images(args.dataset, args.data_dir, args.count, args.seed)
         resize = ResizePolicy(args.short_side)
-        pictures = []
-        for row in sorted(rows.tolist()):
-            pictures.append(resize(load_image(test.images[row])))
+        pictures = [resize(load_image(image)) for image in images]
         maps: dict[str, list[torch.Tensor]] = {}
         reference = None
         for folder in args.checkpoint:
@@ -155,10 +197,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             maps[name] = [m.reshape(t.shape[0], t.shape[1], 3) for m, t in zip(rgb.split(sizes), tokens)]
     names = "-".join(maps)
     out = args.out or Path("outputs/pictures") / f"feature-maps-{names}.png"
-    title = f"first 3 principal components of the patch tokens, {dataset.name} test images at {args.short_side} px"
+    title = f"first 3 principal components of the patch tokens, {shown} at {args.short_side} px"
     save_feature_maps(pictures, maps, out, title)
     print(f"wrote {out}")
-    return {"path": str(out), "encoders": list(maps)}
+    return {"path": str(out), "encoders": list(maps), "images": image_names}
 
 
 if __name__ == "__main__":

@@ -235,13 +235,15 @@ def extract_features(
     return {view: torch.cat(values) for view, values in chunks.items()}
 
 
-def pixel_features(images: np.ndarray | Iterable[ImageInput]) -> torch.Tensor:
+def pixel_features(images: np.ndarray | Iterable[ImageInput], progress: str | None = None) -> torch.Tensor:
     """Raw pixels in [0, 1], flattened: (N, H * W) for an (N, H, W) uint8 array; for files,
-    RGB images resized (Pillow bicubic) to :data:`PIXEL_SIDE` squares: (N, 3 * PIXEL_SIDE ** 2)."""
+    RGB images resized (Pillow bicubic) to :data:`PIXEL_SIDE` squares: (N, 3 * PIXEL_SIDE ** 2),
+    read under a tqdm bar headed ``progress`` (None: no bar)."""
     if isinstance(images, np.ndarray):
         return torch.from_numpy(images.reshape(len(images), -1).astype(np.float32) / 255)
     side = (PIXEL_SIDE, PIXEL_SIDE)
-    rows = [np.asarray(load_image(path).resize(side, Image.Resampling.BICUBIC)) for path in images]
+    files = tqdm(images, desc=progress, unit="img", disable=progress is None)
+    rows = [np.asarray(load_image(path).resize(side, Image.Resampling.BICUBIC)) for path in files]
     return torch.from_numpy(np.stack(rows).reshape(len(rows), -1).astype(np.float32) / 255)
 
 
@@ -286,13 +288,15 @@ def split_features(
     ``encoder`` may be None for the ``pixels`` view only. On a miss every view the encoder can
     give is extracted from the same forward and cached, so probing another view later does not
     re-run the encoder; ``timing`` then gains the forwards' seconds (a hit leaves it as it is).
-    ``pixels`` is computed, never cached. ``workers``: see :func:`extract_features`.
+    ``pixels`` of image files (decoding and resizing every file takes minutes on a large folder)
+    are cached like the encoder's views; those of an in-memory array are a reshape, faster than
+    reading them back, and are not. ``workers``: see :func:`extract_features`.
 
     Returns:
         (features, cache_hit).
     """
     if view == "pixels":
-        return pixel_features(split.images), False
+        return _pixel_split(split, dataset, split_name, cache)
     if encoder is None:
         raise ValueError(f"view {view!r} needs an encoder")
     views = available_views(encoder.model)
@@ -326,3 +330,22 @@ def split_features(
     for name, features in extracted.items():
         cache.save({**base, "view": name}, features)
     return extracted[view], False
+
+
+def _pixel_split(split: Split, dataset: str, split_name: str, cache: FeatureCache) -> tuple[torch.Tensor, bool]:
+    """The ``pixels`` view of ``split`` and whether it came from the cache (files only, see :func:`split_features`)."""
+    if isinstance(split.images, np.ndarray):
+        return pixel_features(split.images), False
+    key = {
+        "dataset": dataset,
+        "split": split_name,
+        "split_fingerprint": split.fingerprint(),
+        "pixel_side": PIXEL_SIDE,
+        "view": "pixels",
+    }
+    cached = cache.load(key)
+    if cached is not None:
+        return cached, True
+    pixels = pixel_features(split.images, progress=f"{dataset} {split_name} pixels")
+    cache.save(key, pixels)
+    return pixels, False

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from .splits import stratified_split
 
@@ -72,6 +73,7 @@ def knn_predict(
     *,
     temperature: float = DEFAULT_TEMPERATURE,
     chunk_size: int | None = None,
+    progress: str | None = None,
 ) -> dict[int, torch.Tensor]:
     """Classes the weighted kNN vote gives each query, for every k.
 
@@ -84,6 +86,7 @@ def knn_predict(
         temperature: T of the weights ``exp(sim / T)``.
         chunk_size: queries per chunk (default: as many as keep a chunk's (chunk, N) similarities
             within :data:`MAX_CHUNK_SIMILARITIES`).
+        progress: the description of a tqdm bar over the queries (None: no bar).
 
     Returns:
         {k: (M,) int64 predicted classes}.
@@ -102,6 +105,7 @@ def knn_predict(
     if chunk_size is None:
         chunk_size = max(1, MAX_CHUNK_SIMILARITIES // len(bank))
     predictions: dict[int, list[torch.Tensor]] = {k: [] for k in ks}
+    bar = tqdm(total=len(query_x), desc=progress, unit="img", disable=progress is None)
     for chunk in query_x.split(chunk_size):
         similarity = F.normalize(chunk.to(bank), dim=1) @ bank.T  # (B, N) cosines
         top_similarity, top_index = similarity.topk(largest, dim=1)  # sorted: the first k are the k nearest
@@ -112,6 +116,8 @@ def knn_predict(
             votes = weights.new_zeros(len(chunk), num_classes)
             votes.scatter_add_(1, neighbour_labels[:, :used], weights[:, :used])
             predictions[k].append(votes.argmax(dim=1))  # the first maximum: ties go to the lowest class
+        bar.update(len(chunk))
+    bar.close()
     empty = torch.zeros(0, dtype=torch.long, device=bank.device)
     return {k: torch.cat(chunks) if chunks else empty for k, chunks in predictions.items()}
 
@@ -124,12 +130,14 @@ def run_knn(
     num_classes: int,
     config: KnnConfig,
     chunk_size: int | None = None,
+    progress: str | None = None,
 ) -> KnnResult:
     """Top-1 of the weighted kNN on test (bank: all of train) and on the validation cut (bank: the rest of train).
 
     Args:
         train_x: (N, F) features; train_y: (N,) int64 labels; test_x: (M, F); test_y: (M,).
         chunk_size: see :func:`knn_predict`.
+        progress: what the tqdm bars of the test and validation queries are headed with (None: no bars).
     """
     kept, held = (
         torch.from_numpy(i).to(train_x.device)
@@ -137,15 +145,24 @@ def run_knn(
     )
     train_y, test_y = train_y.to(train_x.device), test_y.to(train_x.device)
 
-    def top1(bank: torch.Tensor, bank_y: torch.Tensor, query: torch.Tensor, query_y: torch.Tensor) -> dict[int, float]:
+    def top1(
+        bank: torch.Tensor, bank_y: torch.Tensor, query: torch.Tensor, query_y: torch.Tensor, part: str
+    ) -> dict[int, float]:
         predicted = knn_predict(
-            bank, bank_y, query, num_classes, config.ks, temperature=config.temperature, chunk_size=chunk_size
+            bank,
+            bank_y,
+            query,
+            num_classes,
+            config.ks,
+            temperature=config.temperature,
+            chunk_size=chunk_size,
+            progress=None if progress is None else f"{progress}: {part}",
         )
         return {k: float((classes == query_y).double().mean()) for k, classes in predicted.items()}
 
-    test_top1 = top1(train_x, train_y, test_x, test_y)
+    test_top1 = top1(train_x, train_y, test_x, test_y, "test")
     val_top1: dict[int, float | None] = dict.fromkeys(config.ks)
     if len(held) and len(kept):
-        val_top1.update(top1(train_x[kept], train_y[kept], train_x[held], train_y[held]))
+        val_top1.update(top1(train_x[kept], train_y[kept], train_x[held], train_y[held], "validation"))
     sizes = {"bank": len(train_x), "test": len(test_x), "val_bank": len(kept), "val": len(held)}
     return KnnResult(test_top1, val_top1, {k: min(k, len(train_x)) for k in config.ks}, sizes)

@@ -15,7 +15,11 @@ images/s at the probe's resolution and dtype (forward only, timed while the test
 extracted, or on its first 512 images when its features come from the cache).
 
 Writes ``results.json``, ``confusion_<features>.png`` and ``table.md`` to ``--out``, prints the
-table, and appends a row per feature view to ``--results-csv``.
+table, and appends a row per feature view to ``--results-csv``. Every stage after the features
+(the probe's search and refit, kNN, logistic regression) shows a tqdm bar, then a line with its
+seconds. Ctrl-C after the first view finished still writes ``results.json`` and ``table.md`` with
+the views that finished (``interrupted_views`` names the others; the CSV gains whole runs only) and
+exits with status 130.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from moonvit.cli import (
     positive_int,
     torch_dtype,
 )
+from moonvit.names import display_name
 
 from .datasets import DEFAULT_FASHION_MNIST_DIR, Dataset, DatasetError, load_dataset
 from .encoder import FrozenEncoder, load_frozen_encoder
@@ -71,7 +76,7 @@ from .features import (
     split_features,
 )
 from .knn import DEFAULT_KS, DEFAULT_TEMPERATURE, KnnConfig, run_knn
-from .logreg import DEFAULT_CS, LogRegConfig, run_logreg, sklearn_version
+from .logreg import DEFAULT_CS, DEFAULT_SEARCH_ROWS, LogRegConfig, run_logreg, sklearn_version
 from .metrics import classification_metrics
 from .probe import ProbeConfig, ProbeDataWarning, check_probe_labels, run_probe
 from .report import (
@@ -206,10 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     logreg.add_argument(
         "--logreg-search-rows",
-        type=positive_int,
-        default=None,
+        type=non_negative_int,
+        default=DEFAULT_SEARCH_ROWS,
         metavar="N",
-        help="at most this many training rows (stratified sample) in the C search; the refit uses all (default: all)",
+        help="at most this many training rows (stratified sample) in the C search, 0 = all; the refit uses all "
+        f"with the chosen C (default: {DEFAULT_SEARCH_ROWS})",
     )
     logreg.add_argument(
         "--no-logreg", action="store_true", help="skip the logistic regression (its CSV cell stays empty)"
@@ -242,7 +248,10 @@ def probe_view(
     """Features, probe, metrics and confusion PNG of one view, and on the same features the kNN
     classifier and the logistic regression (when configured) and, for an encoder view, the
     encoder's images/s (``speed``: how it was measured): a ``runs`` entry of results.json.
-    ``workers`` threads run the processor ahead of the encoder (the same features as 0)."""
+    ``workers`` threads run the processor ahead of the encoder (the same features as 0).
+
+    Each stage after the features shows a tqdm bar and then a line with its seconds (stderr)."""
+    label = f"{dataset.name} {view}"
     start = time.perf_counter()
     features, hits = {}, {}
     timing = ForwardTiming() if view != "pixels" and encoder is not None else None
@@ -276,9 +285,15 @@ def probe_view(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ProbeDataWarning)  # said once, before any work
         result = run_probe(
-            features["train"].to(device), train_y, features["test"].to(device), len(dataset.classes), config
+            features["train"].to(device),
+            train_y,
+            features["test"].to(device),
+            len(dataset.classes),
+            config,
+            progress=f"{label}: linear probe",
         )
     probe_s = time.perf_counter() - start
+    _stage_done(label, "linear probe", probe_s, f"chosen {result.chosen}")
     metrics = classification_metrics(result.test_logits, torch.from_numpy(dataset.test.labels))
     confusion = metrics.pop("confusion")
     picture = out / f"confusion_{view}.png"
@@ -289,29 +304,52 @@ def probe_view(
     if knn is not None:
         start = time.perf_counter()
         found = run_knn(
-            features["train"].to(device), train_y, features["test"].to(device), test_y, len(dataset.classes), knn
+            features["train"].to(device),
+            train_y,
+            features["test"].to(device),
+            test_y,
+            len(dataset.classes),
+            knn,
+            progress=f"{label}: kNN",
         )
+        knn_s = time.perf_counter() - start
         knn_figures = {
             "test_top1": {str(k): v for k, v in found.test_top1.items()},
             "val_top1": {str(k): v for k, v in found.val_top1.items()},
             "effective_k": {str(k): v for k, v in found.effective_k.items()},
             "sizes": found.sizes,
-            "knn_s": time.perf_counter() - start,
+            "knn_s": knn_s,
         }
+        _stage_done(label, "kNN", knn_s, f"k={', '.join(map(str, knn.ks))}")
     logreg_figures = None
     if logreg is not None:
         start = time.perf_counter()
         fitted = run_logreg(
-            features["train"], train_y.cpu(), features["test"], test_y, logreg, threads=torch.get_num_threads()
+            features["train"],
+            train_y.cpu(),
+            features["test"],
+            test_y,
+            logreg,
+            threads=torch.get_num_threads(),
+            progress=f"{label}: logistic regression",
         )
+        logreg_s = time.perf_counter() - start
         logreg_figures = {
             "chosen": {"C": fitted.chosen_C},
             "validation_grid": fitted.grid,
             "test_top1": fitted.test_top1,
             "refit": fitted.refit,
             "sizes": fitted.sizes,
-            "logreg_s": time.perf_counter() - start,
+            "logreg_s": logreg_s,
         }
+        _stage_done(
+            label,
+            "logistic regression",
+            logreg_s,
+            f"C={fitted.chosen_C:g} chosen on {fitted.sizes['select_train']} rows and refitted as it is on "
+            f"{fitted.refit['rows']}: scikit-learn's C weighs the sum of the losses, a penalty per row "
+            f"{fitted.refit['rows'] / fitted.sizes['select_train']:.2g}x weaker on the refit's rows",
+        )
         if not fitted.refit["converged"]:
             warnings.warn(
                 f"logistic regression on {view}: lbfgs stopped at --logreg-max-iter {logreg.max_iter} before "
@@ -336,6 +374,11 @@ def probe_view(
         "cache_hit": hits,
         "timings": {"features_s": features_s, "probe_s": probe_s},
     }
+
+
+def _stage_done(label: str, stage: str, seconds: float, detail: str) -> None:
+    """One line on stderr, beside the tqdm bars, for a finished stage: how long it took."""
+    print(f"{label}: {stage} took {seconds:.1f} s ({detail})", file=sys.stderr, flush=True)
 
 
 def _warm_up(encoder: FrozenEncoder, dataset: Dataset, resize: ResizePolicy, max_patches_per_pack: int) -> None:
@@ -485,30 +528,39 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
         else LogRegConfig(
             inverse_regularization=tuple(sorted(set(args.logreg_Cs))),
             max_iter=args.logreg_max_iter,
-            max_search_rows=args.logreg_search_rows,
+            max_search_rows=args.logreg_search_rows or None,
             val_fraction=args.val_fraction,
             seed=args.seed,
             l2_normalize=args.l2_normalize,
         )
     )
     views = [args.features] + ([] if args.no_baseline or args.features == "pixels" else ["pixels"])
-    runs = [
-        probe_view(
-            view,
-            dataset,
-            encoder,
-            config,
-            cache,
-            resize,
-            args.max_patches_per_pack,
-            args.device,
-            out,
-            knn,
-            logreg,
-            args.workers,
-        )
-        for view in views
-    ]
+    runs: list[dict[str, Any]] = []
+    for view in views:
+        try:
+            runs.append(
+                probe_view(
+                    view,
+                    dataset,
+                    encoder,
+                    config,
+                    cache,
+                    resize,
+                    args.max_patches_per_pack,
+                    args.device,
+                    out,
+                    knn,
+                    logreg,
+                    args.workers,
+                )
+            )
+        except KeyboardInterrupt:
+            # Ctrl-C: the views that finished are written below; with none, there is nothing to keep
+            if not runs:
+                print(f"interrupted during the {view} view; nothing was written to {out}", file=sys.stderr)
+                raise SystemExit(130) from None
+            break
+    unfinished = views[len(runs) :]
     main_run = runs[0]
     speed = None
     if main_run["speed"] is not None:
@@ -534,7 +586,7 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
         "speed": speed,
         "runs": runs,
         "dataset": {
-            "spec": args.dataset,
+            "spec": display_name(args.dataset),  # text of the CSV too: a folder name that is not UTF-8 escaped
             "classes": list(dataset.classes),
             "train_size": len(dataset.train),
             "test_size": len(dataset.test),
@@ -581,10 +633,19 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
         "timings": {"total_s": time.perf_counter() - start},
     }
     results["results_csv"] = str(csv_path)
+    results["interrupted_views"] = unfinished
     write_json(results, out / "results.json")
     table = markdown_table(runs) + ("" if speed is None else "\n\n" + speed_line(speed))
     (out / "table.md").write_text(table + "\n")
     print(table)
+    if unfinished:
+        # the CSV only gains the rows of whole runs
+        print(
+            f"interrupted during the {unfinished[0]} view: {out / 'results.json'} holds the views that finished "
+            f"({', '.join(run['features'] for run in runs)}); nothing was appended to {csv_path}",
+            file=sys.stderr,
+        )
+        raise SystemExit(130)
     append_csv_rows(csv_path, columns, csv_rows(results, columns, knn_ks))
     print(f"{len(runs)} row{'s' if len(runs) != 1 else ''} appended to {csv_path}")
     return results

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from .splits import stratified_split
 
@@ -135,6 +136,7 @@ def train_adamw_heads(
     min_steps: int = 0,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
+    progress: str | None = None,
 ) -> LinearHeads:
     """Train H heads, one per (learning_rates[h], weight_decays[h]), on the same mini-batches.
 
@@ -148,6 +150,7 @@ def train_adamw_heads(
         epochs, batch_size: the schedule; batches are drawn from one seeded permutation per epoch.
         min_steps: more epochs than ``epochs`` when needed to make at least this many steps.
         seed: seed of the shuffles.
+        progress: the description of a tqdm bar over the steps (None: no bar).
     """
     heads, dim = len(learning_rates), x.shape[1]
     width = heads * num_classes
@@ -161,6 +164,7 @@ def train_adamw_heads(
     epochs = max(epochs, math.ceil(min_steps / per_epoch))
     steps = epochs * per_epoch
     step = 0
+    bar = tqdm(total=steps, desc=progress, unit="step", disable=progress is None)
     for _ in range(epochs):
         for index in torch.randperm(len(x), generator=generator).to(x.device).split(batch_size):
             xb, yb = x[index], y[index]
@@ -177,6 +181,8 @@ def train_adamw_heads(
             v.mul_(betas[1]).addcmul_(grad, grad, value=1 - betas[1])
             denominator = (v / (1 - betas[1] ** step)).sqrt_().add_(eps)
             params.sub_(step_lr / (1 - betas[0] ** step) * m / denominator)
+            bar.update()
+    bar.close()
     return LinearHeads(params[:dim], params[dim])
 
 
@@ -323,7 +329,12 @@ class ProbeResult:
 
 
 def run_probe(
-    train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, num_classes: int, config: ProbeConfig
+    train_x: torch.Tensor,
+    train_y: torch.Tensor,
+    test_x: torch.Tensor,
+    num_classes: int,
+    config: ProbeConfig,
+    progress: str | None = None,
 ) -> ProbeResult:
     """Select hyper-parameters on a stratified ``val_fraction`` of train, refit on all of train, score test.
 
@@ -333,6 +344,7 @@ def run_probe(
 
     Args:
         train_x: (N, F) features; train_y: (N,) int64 labels; test_x: (M, F) features.
+        progress: what the tqdm bars of the search and the refit are headed with (None: no bars).
 
     Returns:
         the :class:`ProbeResult`, with (M, C) test logits.
@@ -358,6 +370,7 @@ def run_probe(
         num_classes,
         config,
         settings,
+        None if progress is None else f"{progress}: search",
     )
     best = int(np.argmax(val_top1))  # ties go to the first setting in grid order
     grid = [{**setting, "val_top1": score} for setting, score in zip(settings, val_top1)]
@@ -366,7 +379,9 @@ def run_probe(
     for message in edge_warnings:
         warnings.warn(message, stacklevel=2)
     scaler = Standardizer.fit(train_x, config.l2_normalize)
-    heads = _refit(scaler(train_x), train_y, num_classes, config, chosen)
+    heads = _refit(
+        scaler(train_x), train_y, num_classes, config, chosen, None if progress is None else f"{progress}: refit"
+    )
     sizes = {"select_train": len(fit_index), "select_val": len(val_index), "train": len(train_x), "test": len(test_x)}
     return ProbeResult(chosen, grid, edge_warnings, heads.logits(scaler(test_x))[0].float(), sizes)
 
@@ -379,8 +394,9 @@ def _fit(
     num_classes: int,
     config: ProbeConfig,
     settings: list[dict[str, float]],
+    progress: str | None = None,
 ) -> list[float]:
-    """Validation top-1 of every setting, trained on (x, y)."""
+    """Validation top-1 of every setting, trained on (x, y); ``progress`` heads a tqdm bar (None: none)."""
     if config.solver == "adamw":
         heads = train_adamw_heads(
             x,
@@ -392,10 +408,11 @@ def _fit(
             batch_size=config.batch_size,
             seed=config.seed,
             min_steps=config.min_steps,
+            progress=None if progress is None else f"{progress} ({len(settings)} heads)",
         )
         return (heads.logits(val_x).argmax(-1) == val_y).double().mean(dim=1).tolist()
     scores, previous = [], None
-    for setting in settings:
+    for setting in tqdm(settings, desc=progress, unit="C", disable=progress is None):
         previous = fit_logistic_lbfgs(
             x,
             y,
@@ -410,8 +427,15 @@ def _fit(
 
 
 def _refit(
-    x: torch.Tensor, y: torch.Tensor, num_classes: int, config: ProbeConfig, chosen: dict[str, float]
+    x: torch.Tensor,
+    y: torch.Tensor,
+    num_classes: int,
+    config: ProbeConfig,
+    chosen: dict[str, float],
+    progress: str | None = None,
 ) -> LinearHeads:
+    """The chosen setting trained on (x, y); ``progress`` heads an AdamW tqdm bar (None: none; an
+    L-BFGS fit has no steps to show)."""
     if config.solver == "adamw":
         return train_adamw_heads(
             x,
@@ -423,6 +447,7 @@ def _refit(
             batch_size=config.batch_size,
             seed=config.seed,
             min_steps=config.min_steps,
+            progress=progress,
         )
     return fit_logistic_lbfgs(
         x, y, num_classes, chosen["C"], max_iter=config.max_iter, tolerance_grad=config.tolerance_grad

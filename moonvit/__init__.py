@@ -20,6 +20,7 @@ from .encode import (
 )
 from .media.image import IMAGE_EXTENSIONS, ImageLoadError, ImageTooLargeError, image_size, load_image
 from .media.packing import DEFAULT_MAX_PATCHES_PER_PACK, Pack, PackItem, pack_images
+from .media.presets import preset_processors
 from .media.processor import ImageBatch, ImagePlan, ImageSizeError, MoonViTImageProcessor, patchify, unpatchify
 from .media.video import MoonViTVideoProcessor, VideoBatch, VideoFrames, VideoLoadError, VideoNotSupportedError
 from .model.config import PRESETS, MoonViTConfig, preset_config
@@ -66,6 +67,7 @@ __all__ = [
     "patchify",
     "pool_features",
     "preset_config",
+    "preset_processors",
     "tokens_per_image",
     "unpatchify",
 ]

@@ -38,12 +38,13 @@ from .cli import (
 from .encode import iter_encode_images
 from .files import atomic_path, files_below, save_safetensors_atomic, skipped_line, write_text_atomic
 from .media.image import IMAGE_EXTENSIONS, ImageInput, ImageLoadError, image_size
+from .media.presets import describe_processors, preset_processors
 from .media.processor import MoonViTImageProcessor
 from .media.video import VIDEO_EXTENSIONS, MoonViTVideoProcessor, VideoFrames, VideoSource, probe_video
 from .model.attention import resolve_attn_implementation
 from .model.config import PRESETS
 from .model.encoder import MoonViT
-from .names import path_keys, unique_names
+from .names import path_keys, path_record, unique_names
 
 
 def sample_images() -> dict[str, Image.Image]:
@@ -168,12 +169,12 @@ def run(args: argparse.Namespace) -> None:
         )
         processor = MoonViTImageProcessor.from_pretrained(args.checkpoint, **overrides)
         video_processor = MoonViTVideoProcessor.from_pretrained(args.checkpoint)  # its rate and budgets (K3: 8 fps)
-        source = str(args.checkpoint)
+        source, family = str(args.checkpoint), None
     else:
         torch.manual_seed(args.seed)
         encoder = MoonViT.from_preset(args.preset, attn_implementation=args.attn).to(args.device, dtype).eval()
-        processor = MoonViTImageProcessor(**overrides)
-        video_processor = MoonViTVideoProcessor.for_images(processor)
+        rule = preset_processors(args.preset, **overrides)  # the family's processors: K3's for a -v2 preset
+        processor, video_processor, family = rule.image, rule.video, rule.family
         source = f"preset {args.preset} (random weights, seed {args.seed})"
     keys = path_keys([*image_files, *video_files])
     images: dict[str, ImageInput] = dict(zip(keys, image_files))
@@ -201,6 +202,8 @@ def run(args: argparse.Namespace) -> None:
     seconds = time.perf_counter() - start
 
     print(f"moonvit {__version__}: {source}, {args.dtype} on {args.device}, {torch.get_num_threads()} threads")
+    takes_video = encoder.config.max_frames > 1
+    print(f"processor: {describe_processors(processor, video_processor, takes_video=takes_video, family=family)}")
     print(f"{'input':<24} {'size':>11} {'grid':>11} {'tokens':>7} {'mean':>8} {'std':>7}")
     summary: list[dict[str, Any]] = []
     for result in results:
@@ -220,7 +223,7 @@ def run(args: argparse.Namespace) -> None:
         )
         entry: dict[str, Any] = {
             "image": name,
-            "path": str(Path(item).absolute()) if isinstance(item, Path) else None,
+            **(path_record(Path(item).absolute()) if isinstance(item, Path) else {"path": None}),
             "size": [width, height],
             "grid_hw": [h, w],
             "num_tokens": feats.shape[0],
@@ -235,6 +238,8 @@ def run(args: argparse.Namespace) -> None:
     if args.save_checkpoint:
         encoder.save_pretrained(args.save_checkpoint)
         processor.save_pretrained(args.save_checkpoint)
+        if takes_video:  # the folder keeps its video rule (K3: 8 fps, its frame and video budgets)
+            video_processor.save_pretrained(args.save_checkpoint)
     if args.save_images:
         names = unique_names([str(PurePosixPath(key).with_suffix(".png")) for key in images])
         image_entries = [entry for entry in summary if "video" not in entry]

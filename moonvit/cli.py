@@ -18,7 +18,9 @@ one ``warning:`` line each (:func:`one_line_warnings`), not with a source line.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,7 +31,7 @@ import torch
 
 from .devices import check_device
 from .files import folder_problem
-from .media.image import ImageLoadError
+from .media.image import ImageLoadError, decompression_bombs_raised
 from .media.packing import DEFAULT_MAX_PATCHES_PER_PACK
 from .media.processor import ImageSizeError
 from .media.video import VideoNotSupportedError
@@ -41,6 +43,7 @@ from .weights.storage import CheckpointError
 __all__ = [
     "DTYPES",
     "MIN_PATCH_BUDGET",
+    "NOTICE_LOGGERS",
     "add_attn_argument",
     "add_budget_argument",
     "add_checkpoint_argument",
@@ -56,6 +59,7 @@ __all__ = [
     "device_name",
     "drop_rate",
     "dtype_name",
+    "escaped_output",
     "exit_on",
     "existing_file",
     "existing_folder",
@@ -399,15 +403,53 @@ def exit_on(parser: argparse.ArgumentParser, *errors: type[Exception]) -> Iterat
 
 
 @contextmanager
+def escaped_output() -> Iterator[None]:
+    """Within the block, what stdout and stderr cannot encode is written as a backslash escape
+    (``errors="backslashreplace"``, the setting Python gives a terminal's stderr) instead of raising
+    ``UnicodeEncodeError``: a printed line, a warning or a progress bar naming such a file."""
+    streams = [s for s in (sys.stdout, sys.stderr) if hasattr(s, "reconfigure") and getattr(s, "errors", None)]
+    previous = [stream.errors for stream in streams]  # TextIOWrappers; other streams take any str
+    for stream in streams:
+        stream.reconfigure(errors="backslashreplace")
+    try:
+        yield
+    finally:
+        for stream, errors in zip(streams, previous, strict=True):
+            stream.reconfigure(errors=errors)
+
+
+NOTICE_LOGGERS = ("moonvit.flex",)
+"""Loggers whose INFO records a command line prints: what would otherwise be a silent pause (the
+flex attention compile, tens of seconds)."""
+
+
+@contextmanager
 def one_line_warnings() -> Iterator[None]:
-    """Print each warning as one ``warning: message`` line (no file, line number or source line)."""
+    """Print each warning as one ``warning: message`` line (no file, line number or source line),
+    and the INFO records of :data:`NOTICE_LOGGERS` as one line each, on stderr. Pillow's
+    decompression-bomb warning is raised for the whole run, in decode threads too (see
+    :func:`~moonvit.media.image.decompression_bombs_raised`): the image is refused with one error.
+    Text the terminal cannot encode (a file name that is not UTF-8, see :mod:`moonvit.names`) is
+    printed escaped (:func:`escaped_output`), not raised."""
 
     def format_warning(message: Warning | str, category: type[Warning], *_: object, **__: object) -> str:
         return f"warning: {message}\n"
 
     previous = warnings.formatwarning
     warnings.formatwarning = format_warning
+    handler = logging.StreamHandler()  # the sys.stderr of the moment the command starts
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    loggers = [logging.getLogger(name) for name in NOTICE_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
     try:
-        yield
+        with decompression_bombs_raised(), escaped_output():
+            yield
     finally:
         warnings.formatwarning = previous
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.removeHandler(handler)
+            logger.setLevel(level)

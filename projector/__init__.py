@@ -18,6 +18,8 @@ from .model import PROJECTOR_TYPES, MoonViTProjector, ProjectorConfig
 from .prompt import (
     IMG_CONTEXT_TOKEN_ID,
     expand_media_pads,
+    k3_image_prompt,
+    k3_media_prompts,
     locateanything_image_ids,
     locateanything_prompt,
     media_prompt,
@@ -44,6 +46,8 @@ __all__ = [
     "expand_media_pads",
     "collate_visual_tokens",
     "expand_visual_tokens",
+    "k3_image_prompt",
+    "k3_media_prompts",
     "locateanything_image_ids",
     "locateanything_prompt",
     "media_prompt",

@@ -67,6 +67,7 @@ from moonvit.encode import EncodedPack, encode_processed, processed_packs
 from moonvit.files import files_below, save_safetensors_atomic, sha256_file, skipped_line, write_text_atomic
 from moonvit.media.packing import group_into_packs, plan_pack_item, plan_video_items
 from moonvit.media.video import VIDEO_EXTENSIONS, MoonViTVideoProcessor, is_video
+from moonvit.names import display_name, path_record, recorded_path, text_bytes
 from moonvit.weights.checkpoint import CheckpointError, update_weights_digest
 from moonvit.weights.hub import source_label
 
@@ -154,12 +155,14 @@ def read_inputs(path: Path) -> list[InputImage]:
 
 def _folder_inputs(folder: Path) -> tuple[list[InputImage], dict[str, int]]:
     files, skipped = files_below(folder, IMAGE_EXTENSIONS | VIDEO_EXTENSIONS)
-    return [InputImage(p.relative_to(folder).as_posix(), str(p)) for p in files], skipped
+    # the id is text of JSON and of prompts: a name that is not UTF-8 is shown escaped (moonvit.names)
+    return [InputImage(display_name(p.relative_to(folder).as_posix()), str(p)) for p in files], skipped
 
 
 def _text_inputs(file: Path) -> list[InputImage]:
-    lines = (line.strip() for line in file.read_text().splitlines())
-    return [InputImage(line, str(file.parent / line)) for line in lines if line]
+    # a list of file names: bytes that are not UTF-8 are kept as Python keeps them in names
+    lines = (line.strip() for line in file.read_text(encoding="utf-8", errors="surrogateescape").splitlines())
+    return [InputImage(display_name(line), str(file.parent / line)) for line in lines if line]
 
 
 def _jsonl_inputs(file: Path) -> list[InputImage]:
@@ -169,7 +172,7 @@ def _jsonl_inputs(file: Path) -> list[InputImage]:
             continue
         try:
             record = json.loads(line)
-            images.append(InputImage(str(record["id"]), str(file.parent / record["path"])))
+            images.append(InputImage(str(record["id"]), str(file.parent / recorded_path(record))))
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise ExportError(f"{file}:{number}: expected a JSON object with 'id' and 'path' ({error!r})") from error
     return images
@@ -299,7 +302,7 @@ def describe_run(
     The number of ranks is not there: it does not change the output. Made of JSON types only
     (lists, not tuples), so it compares equal to the file read back.
     """
-    listing = hashlib.sha256("\n".join(f"{image.id}\t{image.path}" for image in images).encode()).hexdigest()
+    listing = hashlib.sha256(text_bytes("\n".join(f"{image.id}\t{image.path}" for image in images))).hexdigest()
     run = {
         "format": FORMAT,
         "moonvit_version": moonvit.__version__,
@@ -427,16 +430,17 @@ def export_shard(
     offset = 0
     for entry in planned:
         if entry.reason is not None:
-            failures.append({"id": entry.image.id, "path": entry.image.path, "reason": entry.reason})
+            failures.append({"id": entry.image.id, **path_record(entry.image.path), "reason": entry.reason})
             continue
         try:
             sha256 = sha256_file(entry.image.path)
         except OSError as error:  # the file went away after it was decoded
-            failures.append({"id": entry.image.id, "path": entry.image.path, "reason": str(error)})
+            failures.append({"id": entry.image.id, **path_record(entry.image.path), "reason": str(error)})
             continue
         for item in entry.items:
             if item.key in reasons:
-                failures.append({"id": item_id(entry, item), "path": entry.image.path, "reason": reasons[item.key]})
+                reason = reasons[item.key]
+                failures.append({"id": item_id(entry, item), **path_record(entry.image.path), "reason": reason})
                 continue
             result = tensors[item.key]
             num_tokens = len(result[store[0]])
@@ -478,7 +482,7 @@ def manifest_line(
     plan = item.plan
     line = {
         "id": item_id(entry, item),
-        "path": entry.image.path,
+        **path_record(entry.image.path),
         "sha256": sha256,
         "size": list(plan.size),
         "resized": list(plan.resized_size),
@@ -550,24 +554,36 @@ def export_rank(
     return progress
 
 
-def assemble(out: Path, count: int) -> tuple[int, int]:
+def assemble(out: Path, count: int) -> tuple[dict[str, int], int]:
     """Write ``manifest.jsonl`` and ``failures.jsonl`` from the parts of shards 0 .. count - 1.
 
     Each shard a part names is opened (header only), so that a damaged folder fails loudly.
-    Returns (images in the manifest, failures).
+    Returns (the manifest's counts, see :func:`manifest_counts`; the failures).
     """
-    images: list[str] = []
+    records: list[dict[str, Any]] = []
     failures: list[str] = []
     for k in range(count):
         part = json.loads(part_path(out, k).read_text())
         if part["images"]:
             with safe_open(out / shard_name(k), framework="pt"):
                 pass
-        images.extend(json.dumps(line) + "\n" for line in part["images"])
+        records.extend(part["images"])
         failures.extend(json.dumps(line) + "\n" for line in part["failures"])
-    write_text_atomic(out / MANIFEST_FILE, "".join(images))
+    write_text_atomic(out / MANIFEST_FILE, "".join(json.dumps(line) + "\n" for line in records))
     write_text_atomic(out / FAILURES_FILE, "".join(failures))
-    return len(images), len(failures)
+    return manifest_counts(records), len(failures)
+
+
+def manifest_counts(records: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """What manifest records stand for: ``images``, ``videos`` (with a chunk exported) and
+    ``video_chunks`` (one record each, like an image), and ``records`` in all."""
+    chunks = [record["video_id"] for record in records if "video_id" in record]
+    return {
+        "images": len(records) - len(chunks),
+        "videos": len(set(chunks)),
+        "video_chunks": len(chunks),
+        "records": len(records),
+    }
 
 
 def export(args: argparse.Namespace) -> dict[str, Any]:
@@ -611,17 +627,21 @@ def _export(args: argparse.Namespace, ranks: Ranks, device: torch.device) -> dic
         summary = _summary(everyone, exported, failed, inputs.skipped)
         print(_summary_line(summary, args.out, inputs))
     summary = ranks.from_main(summary)
-    if summary["images"] == 0:
+    if summary["records"] == 0:
         raise ExportError(f"no image could be exported: the reasons are in {args.out / FAILURES_FILE}")
     return summary
 
 
-def _summary(progress: Sequence[Progress], exported: int, failed: int, skipped: dict[str, int]) -> dict[str, Any]:
+def _summary(
+    progress: Sequence[Progress], exported: dict[str, int], failed: int, skipped: dict[str, int]
+) -> dict[str, Any]:
+    """The run's summary: the folder's counts (:func:`manifest_counts`, ``failed`` records), and this
+    run's: ``images_this_run`` counts images and video chunks, one record each."""
     seconds = max(p.seconds for p in progress)
     done = sum(p.images + p.failed for p in progress)
     tokens = sum(p.tokens for p in progress)
     return {
-        "images": exported,
+        **exported,
         "failed": failed,
         "skipped": skipped,
         "images_this_run": done,
@@ -635,12 +655,20 @@ def _summary(progress: Sequence[Progress], exported: int, failed: int, skipped: 
 
 
 def _summary_line(summary: dict[str, Any], out: Path, inputs: Inputs) -> str:
+    """``exported 1 image, 1 video (2 chunks), 0 failed ...``: images and videos counted apart (a
+    video's chunks are one record each, like an image, and are what this run's rate counts)."""
     skipped = f"; {inputs.skipped_line()}" if inputs.skipped else ""
+    exported = f"{summary['images']} image{'s' * (summary['images'] != 1)}"
+    items, unit = "images", "images"
+    if summary["videos"]:
+        videos, chunks = summary["videos"], summary["video_chunks"]
+        exported += f", {videos} video{'s' * (videos != 1)} ({chunks} chunk{'s' * (chunks != 1)})"
+        items, unit = "images and video chunks", "items"
     return (
-        f"exported {summary['images']} images, {summary['failed']} failed (see {out / FAILURES_FILE}){skipped}; "
-        f"this run processed {summary['images_this_run']} images into {summary['tokens_this_run']} tokens "
+        f"exported {exported}, {summary['failed']} failed (see {out / FAILURES_FILE}){skipped}; "
+        f"this run processed {summary['images_this_run']} {items} into {summary['tokens_this_run']} tokens "
         f"in {summary['seconds']:.1f} s "
-        f"({summary['images_per_s']:.1f} images/s, {summary['tokens_per_s']:.0f} tokens/s; "
+        f"({summary['images_per_s']:.1f} {unit}/s, {summary['tokens_per_s']:.0f} tokens/s; "
         f"{summary['data_share']:.0%} of it waiting for decoded images)"
     )
 

@@ -5,6 +5,11 @@ around one ``<|media_pad|>``, which the processor side expands to the item's
 h * w / 4 visual tokens (see :func:`expand_media_pads`); a video chunk is preceded
 by its timestamp, ``HH:MM:SS.fff``, the time of its first sampled frame.
 
+Kimi K3: the same markers, an image's carrying its original size in pixels,
+``<|media_begin|>image {w}x{h}<|media_content|><|media_pad|><|media_end|>``
+(see :func:`k3_image_prompt`; :func:`k3_media_prompts` reads the sizes from an
+export's manifest).
+
 NVIDIA LocateAnything-3B: each image is ``<img>`` + ``<IMG_CONTEXT>`` x n + ``</img>``
 (n its visual tokens; ids 151666, 151665, 151667), written where the user's text
 says ``<image-N>`` (N counted from 1; see :func:`locateanything_prompt`). The
@@ -16,7 +21,8 @@ says ``<image-N>`` (N counted from 1; see :func:`locateanything_prompt`). The
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -32,6 +38,8 @@ __all__ = [
     "IMG_START_TOKEN_ID",
     "MEDIA_PAD",
     "expand_media_pads",
+    "k3_image_prompt",
+    "k3_media_prompts",
     "locateanything_image_ids",
     "locateanything_prompt",
     "media_prompt",
@@ -76,6 +84,48 @@ def expand_media_pads(text: str, grid: GridInput, merge_kernel_size: Sequence[in
     for count, piece in zip(counts, pieces[1:]):
         out += [MEDIA_PAD * count, piece]
     return "".join(out)
+
+
+# ---- Kimi K3 -------------------------------------------------------------------------------------
+
+
+def k3_image_prompt(width: int, height: int) -> str:
+    """Kimi K3's markers for one image: ``<|media_begin|>image {width}x{height}<|media_content|>
+    <|media_pad|><|media_end|>`` (no spaces), where ``width`` x ``height`` is the image's original
+    size in pixels as uploaded (after EXIF orientation), not its resized or padded size nor its grid.
+
+    Raises:
+        ValueError: a size that is not two positive ints.
+    """
+    for name, value in (("width", width), ("height", height)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"an image's {name} must be a positive int (pixels), got {value!r}")
+    return f"{MEDIA_BEGIN}image {width}x{height}{MEDIA_CONTENT}{MEDIA_PAD}{MEDIA_END}"
+
+
+def k3_media_prompts(records: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Each item's markers in Kimi K3's prompt, from ``projector.export``'s ``manifest.jsonl`` records
+    (``VisualTokenDataset(folder).records``), in their order.
+
+    An image's are :func:`k3_image_prompt` of its ``size`` (the export records the size the
+    processor read, before any resize). A video chunk's (a record with ``video_id``) are K2.5's,
+    its timestamp first (:func:`media_prompt`): K3's release describes video but publishes no
+    other form for it. Each ``<|media_pad|>`` then expands to the item's ``num_tokens`` rows
+    (:func:`expand_media_pads` with the records' grids).
+
+    Raises:
+        ValueError: an image record without a ``size`` (the record's id named).
+    """
+    prompts = []
+    for record in records:
+        if "video_id" in record:
+            prompts.append(media_prompt("video", record["timestamp"]))
+            continue
+        size = record.get("size")
+        if not isinstance(size, Sequence) or len(size) != 2:
+            raise ValueError(f"manifest record {record.get('id')!r} has no size [width, height]: {size!r}")
+        prompts.append(k3_image_prompt(*size))
+    return prompts
 
 
 # ---- LocateAnything-3B --------------------------------------------------------------------------

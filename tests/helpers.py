@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,16 @@ FLEX = pytest.param(
     ),
 )
 """The ``flex`` backend as a pytest parameter, skipped where it cannot compile here."""
+
+
+def interruptible() -> None:
+    """A ``preexec_fn`` that restores SIGINT's default in a child, so that a test's Ctrl-C reaches it.
+
+    A shell that starts a job in the background without job control (``cmd &`` in a script, a CI
+    runner) starts it with SIGINT ignored, and its children inherit that: Python then installs no
+    KeyboardInterrupt handler and bash cannot trap the signal, so the child would never see it.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def assert_close_across_shapes(actual: torch.Tensor, expected: torch.Tensor, message: str = "") -> None:

@@ -120,6 +120,31 @@ def test_legacy_and_damaged_torch_files_are_named(tmp_path):
         MoonViT.from_pretrained(folder)
 
 
+def test_a_legacy_pickle_is_warned_about_once_per_load(tmp_path):
+    """One load reads a legacy pickle for its names and for its tensors: one warning, not three."""
+    model = tiny_model()
+    write_kimi_vl_folder(tmp_path, model, storage="bin-legacy")
+    with pytest.warns(UserWarning) as record:  # records every warning, repeats included
+        assert_same_model(model, MoonViT.from_pretrained(tmp_path))
+    legacy = [w for w in record if "legacy (pre-1.6) pickle format" in str(w.message)]
+    assert len(legacy) == 1, [str(w.message) for w in legacy]
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/tmp/outside.safetensors", "a/../../x.safetensors", ""])
+def test_index_shard_names_stay_inside_the_folder(tmp_path, shard):
+    """An index naming a shard outside its folder is refused before anything is opened."""
+    write_kimi_vl_folder(tmp_path / "ckpt", tiny_model(), sharded=True)
+    index_path = tmp_path / "ckpt" / storage.INDEX_FILE
+    index = json.loads(index_path.read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = shard
+    index_path.write_text(json.dumps(index))
+    save_file({"x": torch.zeros(1)}, tmp_path / "outside.safetensors")  # there, to be sure it is not read
+    with pytest.raises(CheckpointError, match="names the shard .*not a file inside the checkpoint folder") as error:
+        MoonViT.from_pretrained(tmp_path / "ckpt")
+    assert str(index_path) in str(error.value) and repr(shard) in str(error.value)
+
+
 def test_dtype_and_device(tmp_path):
     tiny_model().save_pretrained(tmp_path)
     model = MoonViT.from_pretrained(tmp_path, dtype=torch.float64, device="cpu", attn_implementation="eager")

@@ -1,32 +1,39 @@
-"""scripts/demo.sh: --help, and runs one after another with other arguments into the same folder."""
+"""scripts/demo.sh: --help, runs one after another with other arguments into the same folder, and Ctrl-C."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
+from helpers import interruptible
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def demo_env(out: Path, probes: bool) -> dict[str, str]:
+    """The environment of a demo run into ``out``, without the Fashion-MNIST probe."""
+    return {
+        **os.environ,
+        "MOONVIT_DEMO_OUT": str(out),
+        "MOONVIT_DEMO_FASHION_MNIST": "0",
+        "MOONVIT_DEMO_PROBES": "1" if probes else "0",
+    }
 
 
 def demo(out: Path, *args: str | Path, probes: bool = False) -> subprocess.CompletedProcess:
     """One demo run into ``out``. The Fashion-MNIST probe (about 80 s) is always left out here (the
     shipped checkpoints' tests cover it); the digits probes (about 25 s each on 2 idle cores) only
     run with ``probes``. The timeout is a hang guard for a loaded 2-core machine, not a speed check."""
-    env = {
-        **os.environ,
-        "MOONVIT_DEMO_OUT": str(out),
-        "MOONVIT_DEMO_FASHION_MNIST": "0",
-        "MOONVIT_DEMO_PROBES": "1" if probes else "0",
-    }
     return subprocess.run(
         ["bash", str(REPO / "scripts" / "demo.sh"), *map(str, args)],
         cwd=REPO,
-        env=env,
+        env=demo_env(out, probes),
         capture_output=True,
         text=True,
         timeout=1800 if probes else 900,
@@ -95,3 +102,50 @@ def test_runs_with_other_arguments_each_leave_one_whole_run(tmp_path):
     assert failed.returncode == 2 and "missing.png does not exist" in failed.stderr
     assert "left as the previous run wrote it" in failed.stderr
     assert folder_bytes(out) == before
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_the_steps_that_finished_and_puts_the_previous_run_back(tmp_path):
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "previous.txt").write_text("the previous run")
+    # its own process group, so the Ctrl-C reaches the script and its running step, as from a terminal;
+    # the output goes to files (a pipe nobody reads while the demo runs would fill and block it)
+    logs = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with logs[0].open("w") as stdout_file, logs[1].open("w") as stderr_file:
+        process = subprocess.Popen(
+            ["bash", str(REPO / "scripts" / "demo.sh"), "--preset", "tiny"],
+            cwd=REPO,
+            env=demo_env(out, probes=True),
+            stdout=stdout_file,
+            stderr=stderr_file,
+            start_new_session=True,
+            preexec_fn=interruptible,
+        )
+    try:
+        first_probe = out / "probe" / "digits-fm-mae" / "results.json"
+        deadline = time.monotonic() + 1200  # a hang guard for a loaded 2-core machine
+        while not first_probe.exists():
+            assert process.poll() is None, logs[1].read_text()[-3000:]
+            assert time.monotonic() < deadline, "the first probe did not finish"
+            time.sleep(0.5)
+        os.killpg(process.pid, signal.SIGINT)
+        process.wait(timeout=300)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    stdout, stderr = logs[0].read_text(), logs[1].read_text()
+    partial = Path(f"{out}.interrupted")
+    assert process.returncode == 130, stderr[-3000:]
+    assert "demo.sh: interrupted during the digits probe of" in stderr
+    assert f"kept in {partial}, and {out} is left as the previous run wrote it" in stderr
+    assert [p.name for p in out.iterdir()] == ["previous.txt"] and not Path(f"{out}.previous").exists()
+    # the finished steps: the encoding, the export and the first probe, whose figures are printed
+    assert (partial / "summary.json").is_file() and (partial / "export" / "manifest.jsonl").is_file()
+    assert json.loads((partial / "probe" / "digits-fm-mae" / "results.json").read_text())["top1"] > 0.85
+    assert "digits-fm-mae" in stdout.split("linear probes of the shipped checkpoints, test top-1:")[1]
+
+    # the next run replaces the interrupted one's folder too
+    again = demo(out, "--preset", "tiny")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert not partial.exists() and consistent(out)

@@ -5,21 +5,22 @@ after SIGKILL, 2-rank DDP) and its refusals."""
 
 from __future__ import annotations
 
-import subprocess
+import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from helpers import randomize_, tiny_k3_model
 from safetensors.torch import load_file
-from test_train import REPO, free_port, kill_after_steps, train
+from test_train import free_port, kill_after_steps, run_ranks, train
 
 from eval.datasets import Split
 from moonvit import MoonViT, MoonViTImageProcessor, build_packed_grid, patchify, preset_config
-from train.batch import ImageSource, render_pack
-from train.objectives.distill import ADAPTER_FILE, DistillObjective
+from train.batch import Batch, ImageSource, render_pack
+from train.objectives.distill import ADAPTER_FILE, DistillObjective, TeacherError
 from train.plan import PlannedImage, TokenDrop
 
 DISTILL = ["--objective", "distill", "--preset", "tiny", "--dataset", "digits", "--threads", "1", "--no-progress"]
@@ -188,9 +189,43 @@ def test_two_rank_gloo_ddp_equals_one_process(tmp_path, teacher_dir):
     args = [*DISTILL, "--teacher", str(teacher_dir), "--steps", "6", "--packs-per-step", "2", "--resolution", "28"]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     command += ["--master-port", str(free_port()), "-m", "train", *args, "--out", str(tmp_path / "ddp")]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_ranks(command)
     assert result.returncode == 0, result.stderr[-3000:]
     train(*args, "--out", tmp_path / "one")
     for name in ("checkpoint/model.safetensors", ADAPTER_FILE):
         one, two = load_file(tmp_path / "one" / name), load_file(tmp_path / "ddp" / name)
         assert max(float((one[k] - two[k]).norm() / one[k].norm()) for k in one) <= 1e-5, name
+
+
+def test_two_ranks_evaluate_a_split_of_one_pack(tmp_path, teacher_dir):
+    """At 2,048 patches a pack (512 images at 28 px) the validation and test splits are one pack each:
+    one rank has no evaluation pack, and the ranks still meet (no hang) and agree with one process."""
+    args = [*DISTILL, "--teacher", str(teacher_dir), "--steps", "2", "--packs-per-step", "2", "--resolution", "28"]
+    args += ["--batch-patches", "2048"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--master-port", str(free_port()), "-m", "train", *args, "--out", str(tmp_path / "ddp")]
+    result = run_ranks(command)  # a hang fails here, its workers killed
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = json.loads((tmp_path / "ddp" / "results.json").read_text())
+    one = train(*args, "--out", tmp_path / "one")
+    assert two["world_size"] == 2 and two["sizes"]["val"] <= 512 and two["sizes"]["test"] <= 512
+    for split in ("val", "test"):
+        assert two[split]["cosine"] == pytest.approx(one[split]["cosine"], rel=1e-4), split
+
+
+def test_the_pixel_conversion_takes_the_towers_channel_count():
+    """One-channel towers: the student-to-teacher pixel conversion has one channel and the teacher
+    runs on the student's pixels; a processor normalising another channel count is refused."""
+    student = MoonViT(preset_config("tiny", num_channels=1))
+    config = preset_config("tiny", num_channels=1, hidden_size=96, num_attention_heads=4, intermediate_size=192)
+    teacher = MoonViT(config)
+    grey = SimpleNamespace(image_mean=(0.5,), image_std=(0.25,))
+    objective = DistillObjective(student, grey, teacher, SimpleNamespace(image_mean=(0.4,), image_std=(0.2,)))
+    assert objective.pixel_scale.shape == objective.pixel_shift.shape == (1, 1, 1)
+    torch.testing.assert_close(objective.pixel_scale.flatten(), torch.tensor([1.25]))
+    one = torch.zeros(1, dtype=torch.int64)
+    grid = build_packed_grid([[4, 4]], student.config)
+    batch = Batch(torch.randn(16, 1, 14, 14), grid, one, one, torch.ones(1))
+    assert torch.isfinite(objective(student, batch).loss_sum)
+    with pytest.raises(TeacherError, match="processor normalises 3 channels .* but the towers take 1"):
+        DistillObjective(student, MoonViTImageProcessor(), teacher, grey)

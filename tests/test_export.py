@@ -195,6 +195,23 @@ def test_bad_files_are_listed_with_reasons_and_the_rest_exported(tmp_path, check
     assert summary["skipped"] == {".txt": 1}
 
 
+def test_the_summary_counts_images_and_videos_apart(tmp_path, capsys):
+    """One image and one clip of two chunks: one image and one video, not three images."""
+    pytest.importorskip("av")
+    from helpers import tiny_model, write_video
+
+    checkpoint = make_checkpoint(tmp_path / "ckpt")
+    tiny_model(init_pos_emb_time=4).save_pretrained(checkpoint)  # a tower with a temporal table
+    write_images(tmp_path / "in", 1)
+    write_video(tmp_path / "in" / "clip.mkv", 30, 10.0, size=(40, 30))  # 6 sampled frames: chunks of 4 and 2
+    summary = run_export("--inputs", tmp_path / "in", "--checkpoint", checkpoint, "--out", tmp_path / "out")
+    assert [line["id"] for line in manifest(tmp_path / "out")] == ["clip.mkv#0", "clip.mkv#1", "nested/img000.jpg"]
+    assert (summary["images"], summary["videos"], summary["video_chunks"], summary["records"]) == (1, 1, 2, 3)
+    printed = capsys.readouterr().out
+    assert "exported 1 image, 1 video (2 chunks), 0 failed" in printed
+    assert "this run processed 3 images and video chunks into" in printed and "items/s" in printed
+
+
 @pytest.mark.parametrize(
     "files, message",
     [

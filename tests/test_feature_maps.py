@@ -42,3 +42,27 @@ def test_the_command_draws_encoders_side_by_side(tmp_path, capsys):
                    "--dataset", "digits", "--count", "2", "--short-side", "56", "--out", str(out)])  # fmt: skip
     assert result["encoders"] == ["a", "b"] and f"wrote {out}" in capsys.readouterr().out
     assert Image.open(out).size[0] > Image.open(out).size[1] > 200
+
+
+def test_the_command_takes_a_folder_of_unlabelled_images(tmp_path, capsys):
+    randomize_(MoonViT(preset_config("tiny")), 0).save_pretrained(tmp_path / "a")
+    MoonViTImageProcessor().save_pretrained(tmp_path / "a")
+    photos = tmp_path / "photos"
+    (photos / "nested").mkdir(parents=True)
+    for i, colour in enumerate(((200, 30, 30), (30, 200, 30), (30, 30, 200))):
+        Image.new("RGB", (70, 50), colour).save(photos / ("nested" if i else ".") / f"{i}.png")
+    (photos / "notes.txt").write_text("not an image")
+    out = tmp_path / "maps.png"
+    result = main(["--checkpoint", str(tmp_path / "a"), "--dataset", f"images:{photos}", "--count", "2",
+                   "--short-side", "56", "--out", str(out)])  # fmt: skip
+    assert result["encoders"] == ["a"] and len(result["images"]) == 2
+    assert set(result["images"]) < {"0.png", "nested/1.png", "nested/2.png"}
+    assert f"wrote {out}" in capsys.readouterr().out and out.is_file()
+    # more than the folder holds: every image once; a folder with no image is refused in one line
+    every = main(["--checkpoint", str(tmp_path / "a"), "--dataset", f"images:{photos}", "--count", "9",
+                  "--short-side", "56", "--out", str(out)])  # fmt: skip
+    assert every["images"] == ["0.png", "nested/1.png", "nested/2.png"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        main(["--checkpoint", str(tmp_path / "a"), "--dataset", f"images:{tmp_path / 'empty'}", "--out", str(out)])
+    assert "holds no images" in capsys.readouterr().err

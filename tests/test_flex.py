@@ -3,6 +3,9 @@ eager attention on packs whose items straddle the 128-row tiles, and what it ref
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers import FLEX, random_pack, tiny_model
@@ -114,3 +117,89 @@ def test_auto_never_picks_flex():
     """flex is opt-in: slower than sdpa on the CPUs measured (see the README's speed section)."""
     for dtype in (torch.float32, torch.bfloat16):
         assert resolve_attn_implementation("auto", torch.device("cpu"), dtype) == "sdpa"
+
+
+def _fake_kernels(monkeypatch, fail: dict[bool, BaseException | None]):
+    """Stand-ins for the compiled kernels (no compile): each entry returns its query, and raises
+    ``fail[fresh]`` once when that is set; the calls are recorded as ``fresh`` flags."""
+    calls: list[bool] = []
+
+    def kernel(key, fresh=False):
+        def attend(q, k, v, block_mask):
+            calls.append(fresh)
+            error = fail.get(fresh)
+            if error is not None:
+                fail[fresh] = None
+                raise error
+            return q.clone()
+
+        return attend
+
+    monkeypatch.setattr(flex, "_kernel", kernel)
+    monkeypatch.setattr(flex, "_first_calls", {})
+    return calls
+
+
+def _attend_once() -> torch.Tensor:
+    q = torch.randn(10, 2, 8, generator=torch.Generator().manual_seed(0))
+    return flex.flex_attention(q, q, q, SimpleNamespace(seqlens=(3, 7)))  # the grid's item lengths only
+
+
+def test_the_first_compile_of_a_kernel_is_announced_before_it_starts(monkeypatch, caplog):
+    calls = _fake_kernels(monkeypatch, {})
+    with caplog.at_level(logging.INFO, logger="moonvit.flex"):
+        _attend_once()
+        announced = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling")]
+        assert announced == ["compiling the flex attention kernel for cpu torch.float32, 2 heads x 8 (once per "
+                             "shape; it can take tens of seconds)"]  # fmt: skip
+        _attend_once()  # the same shape: compiled already, nothing said
+        assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling")] == announced
+    assert calls == [False, False]
+
+
+def test_command_lines_print_the_compile_notice(tmp_path, monkeypatch, capsys):
+    from moonvit.__main__ import main
+
+    _fake_kernels(monkeypatch, {})
+    monkeypatch.setattr(flex, "flex_unavailable", lambda device, dtype: None)  # no compiler needed
+    main(["--preset", "tiny", "--dtype", "fp32", "--attn", "flex", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "compiling the flex attention kernel for cpu torch.float32, 4 heads x 16 (once per shape" in err
+    assert len([line for line in err.splitlines() if line.startswith("compiling")]) == 1
+    assert not logging.getLogger("moonvit.flex").handlers  # the command line's printer is gone after it
+
+
+def test_a_failed_recompile_is_retried_once_in_a_fresh_entry(monkeypatch, caplog):
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    calls = _fake_kernels(monkeypatch, {})
+    first = _attend_once()
+    failure = BackendCompilerFailed(lambda *a: None, RuntimeError("cur_qSplitSize was not declared\nmore"), None)
+    calls = _fake_kernels(monkeypatch, {False: failure})
+    flex._first_calls[("cpu", torch.float32, 2, 8, torch.get_num_threads(), False, False)] = 1.0
+    with caplog.at_level(logging.INFO, logger="moonvit.flex"), torch.no_grad():
+        torch.testing.assert_close(_attend_once(), first)
+    assert calls == [False, True]  # the failing entry, then one fresh entry
+    (line,) = [r.getMessage() for r in caplog.records if "recompiling" in r.getMessage()]
+    assert "(RuntimeError: cur_qSplitSize was not declared)" in line and "more" not in line  # the cause, one line
+
+
+def test_other_errors_and_a_failing_fresh_entry_are_raised_not_retried(monkeypatch):
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    key = ("cpu", torch.float32, 2, 8, torch.get_num_threads(), False, False)
+    calls = _fake_kernels(monkeypatch, {False: ValueError("bad input")})
+    flex._first_calls[key] = 1.0
+    with pytest.raises(ValueError, match="bad input"), torch.no_grad():
+        _attend_once()
+    assert calls == [False]  # not a compile error: no second compile
+    failure = BackendCompilerFailed(lambda *a: None, RuntimeError("no build"), None)
+    calls = _fake_kernels(monkeypatch, {False: failure, True: failure})
+    flex._first_calls[key] = 1.0
+    with pytest.raises(BackendCompilerFailed), torch.no_grad():
+        _attend_once()
+    assert calls == [False, True]  # once
+    calls = _fake_kernels(monkeypatch, {False: failure})  # the first compile of a key: nothing to retry
+    with pytest.raises(BackendCompilerFailed), torch.no_grad():
+        _attend_once()
+    assert calls == [False]

@@ -89,6 +89,89 @@ def test_dtypes_follow_llama_cpp_s_converter(tmp_path, dtype, matrix):
     assert types["v.blk.0.ffn_down.bias"] == "F32" and types["v.post_ln.weight"] == "F32"
 
 
+BLOCK_NAMES = {"ln1": "norm0", "ln2": "norm1", "attn_out": "wo", "ffn_up": "mlp.fc0", "ffn_down": "mlp.fc1"}
+PROJECTOR_NAMES = {"mm.input_norm": "pre_norm", "mm.1": "linear_1", "mm.2": "linear_2"}
+
+
+def kimik25_tensors(encoder: MoonViT, projector: MoonViTProjector) -> dict[str, torch.Tensor]:
+    """Every tensor a kimik25 file holds, by GGUF name, as the model holds it (float32, torch's
+    dimension order), written out here independently of the exporter."""
+    state = {name: t.detach().float() for name, t in encoder.state_dict().items()}
+    heads = encoder.config.num_attention_heads
+    out = {
+        "v.patch_embd.weight": state["patch_embed.proj.weight"],
+        "v.patch_embd.bias": state["patch_embed.proj.bias"],
+        "v.position_embd.weight": state["patch_embed.pos_emb.weight"],
+        "v.post_ln.weight": state["encoder.final_layernorm.weight"],
+        "v.post_ln.bias": state["encoder.final_layernorm.bias"],
+    }
+    for i in range(encoder.config.num_hidden_layers):
+        for kind in ("weight", "bias"):
+            for theirs, ours in BLOCK_NAMES.items():
+                out[f"v.blk.{i}.{theirs}.{kind}"] = state[f"encoder.blocks.{i}.{ours}.{kind}"]
+            q, k, v = state[f"encoder.blocks.{i}.wqkv.{kind}"].chunk(3)
+            out[f"v.blk.{i}.attn_qkv.{kind}"] = torch.cat(
+                [split_half_rope_rows(q, heads), split_half_rope_rows(k, heads), v]
+            )
+    p = {name: t.detach().float() for name, t in projector.state_dict().items()}
+    for theirs, ours in PROJECTOR_NAMES.items():
+        for kind in ("weight", "bias"):
+            out[f"{theirs}.{kind}"] = p[f"{ours}.{kind}"]
+    return out
+
+
+def stored_and_expected(kind: str, data: np.ndarray, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tensor's data as the file holds it and ``weight`` rounded as the file's GGML type rounds it:
+    bf16 compared bit for bit (numpy has no bf16), f16 and f32 as values."""
+    if kind == "BF16":
+        return torch.from_numpy(data.view(np.int16).reshape(weight.shape)), weight.bfloat16().view(torch.int16)
+    if kind == "F16":
+        return torch.from_numpy(data.astype(np.float32).reshape(weight.shape)), weight.half().float()
+    assert kind == "F32"
+    return torch.from_numpy(data.reshape(weight.shape)), weight
+
+
+def layout_problems(path: Path) -> list[str]:
+    """Where the file's tensor offsets disagree with the sizes its header gives them, as llama.cpp's
+    ``gguf_init_from_reader`` computes them: each tensor at the previous one's end (padded to the
+    alignment) and the data ending with the file."""
+    reader = gguf.GGUFReader(path)
+    problems, expected = [], 0
+    for tensor in reader.tensors:
+        block, size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+        nbytes = int(tensor.n_elements) // block * size
+        offset = int(tensor.data_offset) - reader.data_offset
+        if offset != expected:
+            problems.append(f"{tensor.name} at {offset}, expected at {expected}")
+        expected = offset + -(-nbytes // reader.alignment) * reader.alignment
+    if reader.data_offset + expected != path.stat().st_size:
+        problems.append(f"tensor data ends at {reader.data_offset + expected}, the file at {path.stat().st_size}")
+    return problems
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_every_tensor_reads_back_with_the_model_s_shape_and_values(tmp_path, dtype):
+    """Written by the command line from a release folder and read back with the gguf package: every
+    tensor's shape is the model's (GGUF lists dimensions innermost first), its data the weight
+    rounded to its type, and the offsets add up as llama.cpp reads them."""
+    encoder = tower()
+    projector = kimi_projector(encoder)
+    folder = write_k25_release_folder(tmp_path / "k25", encoder, projector, processor=MoonViTImageProcessor.kimi_k25())
+    path = tmp_path / "m.gguf"
+    gguf_main(["--checkpoint", str(folder), "--out", str(path), "--dtype", dtype])
+    expected = kimik25_tensors(encoder, projector)
+    reader = gguf.GGUFReader(path)
+    assert sorted(t.name for t in reader.tensors) == sorted(expected)
+    for tensor in reader.tensors:
+        weight = expected[tensor.name]
+        assert [int(n) for n in tensor.shape] == list(reversed(weight.shape)), tensor.name
+        stored, rounded = stored_and_expected(tensor.tensor_type.name, np.array(tensor.data), weight)
+        assert torch.equal(stored, rounded), tensor.name
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert kinds["v.blk.0.attn_out.weight"] == kinds["mm.2.weight"] == dtype.upper()
+    assert layout_problems(path) == []
+
+
 def test_a_kimi_vl_tower_as_kimivl_is_split_and_not_permuted(tmp_path):
     encoder = tower(time=0)
     keys, tensors = read_gguf(
@@ -145,6 +228,30 @@ def test_what_llama_cpp_cannot_run_is_refused(tmp_path):
     assert not (tmp_path / "a.gguf").exists()
 
 
+def eps_tower_and_projector(tower_eps: float, projector_eps: float, time: int) -> tuple[MoonViT, MoonViTProjector]:
+    config = preset_config("tiny", hidden_size=64, init_pos_emb_time=time, layer_norm_eps=tower_eps)
+    encoder = MoonViT(config).eval()
+    return encoder, MoonViTProjector(ProjectorConfig.for_encoder(config, TEXT, layer_norm_eps=projector_eps))
+
+
+def test_a_layer_norm_eps_llama_cpp_s_graph_would_not_use_is_refused(tmp_path):
+    """kimik25's graph takes one eps (the file's) for the tower's norms and the projector's pre-norm;
+    kimivl's takes the file's for the tower and 1e-5 for the projector, whatever the file says."""
+    path = tmp_path / "a.gguf"
+    encoder, projector = eps_tower_and_projector(1e-6, 1e-5, time=4)
+    with pytest.raises(ValueError, match=r"tower's LayerNorm eps \(1e-06\).*projector's \(1e-05\)"):
+        export_gguf(encoder, projector, MoonViTImageProcessor(), path)
+    encoder, projector = eps_tower_and_projector(1e-5, 1e-6, time=0)
+    with pytest.raises(ValueError, match=r"projector's LayerNorm eps \(1e-06\).*1e-05"):
+        export_gguf(encoder, projector, MoonViTImageProcessor(), path, projector_type="kimivl")
+    assert not path.exists()
+    for projector_type, time in (("kimik25", 4), ("kimivl", 0)):
+        encoder, projector = eps_tower_and_projector(1e-6, 1e-6 if projector_type == "kimik25" else 1e-5, time)
+        export_gguf(encoder, projector, MoonViTImageProcessor(), path, projector_type=projector_type)
+        eps = read_gguf(path)[0]["clip.vision.attention.layer_norm_epsilon"]
+        assert eps == pytest.approx(1e-6, rel=1e-6), projector_type  # the tower's, stored as float32
+
+
 def test_the_command_line_exports_a_release_folder(tmp_path, capsys):
     encoder = tower()
     processor = MoonViTImageProcessor.kimi_k25()
@@ -158,6 +265,43 @@ def test_the_command_line_exports_a_release_folder(tmp_path, capsys):
     assert error.value.code == 1 and "exported as 'kimik25'" in capsys.readouterr().err
 
 
+def test_a_checkpoint_without_a_projector_is_told_how_to_attach_one(tmp_path, capsys):
+    """A tower saved by this package (as training saves one) has no projector: the error names what is
+    missing and both ways to attach one, and each way then exports."""
+    encoder = tower()
+    encoder.save_pretrained(tmp_path / "trained")
+    MoonViTImageProcessor().save_pretrained(tmp_path / "trained")
+    out = str(tmp_path / "m.gguf")
+    with pytest.raises(SystemExit) as error:
+        gguf_main(["--checkpoint", str(tmp_path / "trained"), "--out", out])
+    message = capsys.readouterr().err
+    assert error.value.code == 1 and "no Kimi projector" in message
+    assert "--projector-from" in message and "MoonViTProjector(...).save_pretrained" in message
+    kimi_projector(encoder).save_pretrained(tmp_path / "projector")
+    trained, other = str(tmp_path / "trained"), str(tmp_path / "projector")
+    gguf_main(["--checkpoint", trained, "--projector-from", other, "--out", out])
+    assert "kimik25, f32, 35 tensors" in capsys.readouterr().out
+    kimi_projector(encoder).save_pretrained(tmp_path / "trained")
+    gguf_main(["--checkpoint", str(tmp_path / "trained"), "--out", out])
+    assert "kimik25, f32, 35 tensors" in capsys.readouterr().out
+
+
+def test_the_dtype_choices_are_llama_cpp_s_names_in_help_errors_and_the_readme(capsys):
+    from moonvit.gguf.__main__ import build_parser
+
+    help_text = build_parser().format_help()
+    assert "--dtype {f32,f16,bf16}" in help_text
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "python -m moonvit.gguf --checkpoint DIR_OR_HUB_ID --out mmproj.gguf [--dtype f32|f16|bf16]" in readme
+    for spelling, name in (("f16", "f16"), ("fp16", "f16"), ("float32", "f32"), ("BF16", "bf16")):
+        assert build_parser().parse_args(["--checkpoint", ".", "--out", "m.gguf", "--dtype", spelling]).dtype == name
+    for refused in ("int8", "q8_0", "fp64"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--checkpoint", ".", "--out", "m.gguf", "--dtype", refused])
+        message = capsys.readouterr().err
+        assert "choose from f32, f16, bf16" in message and "fp64" not in message.replace(refused, ""), message
+
+
 # ---- against llama.cpp itself ------------------------------------------------------------------------
 
 LLAMA_CPP_DIR = os.environ.get("LLAMA_CPP_DIR")
@@ -169,7 +313,7 @@ needs_converter = pytest.mark.skipif(
 
 @pytest.mark.llamacpp
 @needs_converter
-@pytest.mark.parametrize("outtype", ["f32", "f16"])
+@pytest.mark.parametrize("outtype", ["f32", "f16", "bf16"])
 @pytest.mark.parametrize("family", ["k25", "kimivl"])
 def test_the_file_is_the_converters_tensor_for_tensor(tmp_path, family, outtype):
     """16 heads: the converter permutes K2.5's q / k rows with num_attention_heads, which a K2.5
@@ -223,3 +367,30 @@ def test_llama_cpp_computes_this_package_s_tokens_from_the_file(tmp_path, family
             assert theirs.shape == ours.shape == (tokens_per_image(batch.grid_hws, (2, 2))[0], TEXT)
             error = np.linalg.norm(theirs - ours) / np.linalg.norm(ours)
             assert error < 2e-3, (height, width, error)
+
+
+# ggml's CPU matmul rounds the activations to the weights' type as well; rounding both the weights
+# and every linear's input that way moves this tower's tokens by 8.7e-4 (f16) and 6.7e-3 (bf16)
+# in float64, on top of llama.cpp's own float error in an f32 file (see the test above).
+DTYPE_BOUNDS = {"f32": 2e-3, "f16": 5e-3, "bf16": 3e-2}
+
+
+@pytest.mark.llamacpp
+@needs_mtmd
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_llama_cpp_loads_every_dtype(tmp_path, dtype):
+    """Each dtype's file is read by llama.cpp's loader (which checks every tensor's offset against
+    the size its header gives it) and computes this package's tokens to the dtype's rounding."""
+    encoder = tower(heads=4, width=64, time=4, depth=3).double()
+    projector = kimi_projector(encoder).double()
+    processor = MoonViTImageProcessor.kimi_k25()
+    path = export_gguf(encoder, projector, processor, tmp_path / "m.gguf", dtype=dtype).path
+    image = np.random.default_rng(0).integers(0, 256, (56, 112, 3), dtype=np.uint8)
+    batch = processor(Image.fromarray(image))
+    with torch.no_grad():
+        ours = projector(encoder(batch.pixel_values.double(), batch.grid_hws).merged).float().numpy()
+    with LlamaCppVision(path, write_text_stub(tmp_path / "text.gguf", TEXT), threads=2) as llama:
+        theirs, _ = llama.encode(image)
+    assert theirs.shape == ours.shape
+    error = np.linalg.norm(theirs - ours) / np.linalg.norm(ours)
+    assert error < DTYPE_BOUNDS[dtype], error

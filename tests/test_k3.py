@@ -31,7 +31,7 @@ from moonvit import (
 )
 from moonvit.media.video import VideoInfo
 from moonvit.model.blocks import make_norm
-from projector import MoonViTProjector, ProjectorConfig
+from projector import MoonViTProjector, ProjectorConfig, k3_media_prompts
 
 # Clips of 1 to 4 frames with odd-aspect images, and an image of exactly the table's 64 x 64 (the
 # table used as it is, without resampling).
@@ -300,6 +300,7 @@ def test_the_command_lines_take_a_k3_folder(tmp_path, capsys):
                   str(tmp_path / "clip.mkv"), "--dtype", "fp32", "--out", str(out)])  # fmt: skip
     summary = json.loads((out / "summary.json").read_text())["images"]
     assert [(e["image"], e.get("frames", 1)) for e in summary] == [("a.png", 1), ("clip.mkv#0", 4), ("clip.mkv#1", 4)]
+    assert "processor: Kimi K3's rule: images 65536 patches" in capsys.readouterr().out  # the header names it
     assert load_file(out / "merged.safetensors")["a.png"].shape[1:] == (4, 64)
 
     (tmp_path / "inputs").mkdir()
@@ -308,6 +309,7 @@ def test_the_command_lines_take_a_k3_folder(tmp_path, capsys):
     manifest = [json.loads(line) for line in (tmp_path / "export" / "manifest.jsonl").read_text().splitlines()]
     shard = load_file(tmp_path / "export" / manifest[0]["shard"])
     assert shard["projected"].shape == (2, 48) and shard["merged"].shape == (2, 4, 64)
+    assert k3_media_prompts(manifest) == ["<|media_begin|>image 56x28<|media_content|><|media_pad|><|media_end|>"]
 
     tree = tmp_path / "tree"
     for name in ("cat", "dog"):
@@ -320,3 +322,33 @@ def test_the_command_lines_take_a_k3_folder(tmp_path, capsys):
     assert 0.0 <= results["top1"] <= 1.0 and results["encoder"]["num_parameters"] == sum(
         p.numel() for p in model.parameters()
     )
+
+
+# ---- the processors' rules -----------------------------------------------------------------------
+
+
+def test_the_video_budget_sets_the_frames_scale_and_padding_may_exceed_it_as_in_the_release():
+    """The release resizes each frame with the image rule at the video's per-frame limit: the limit
+    sets the scale, sqrt(limit / ((W // 14) (H // 14))), and nothing counts the padded frames
+    against in_patch_limit_video, so a minute of 640x480 at 8 fps ends 9.6% over it."""
+    video = MoonViTVideoProcessor.kimi_k3()
+    info = VideoInfo("vga", num_frames=30 * 60, fps=30.0, size=(640, 480))  # 480 frames sampled
+    limit = video.frame_limit(info)
+    assert limit == round(655360 / 480) == 1365
+    plan = video.plan_frame(info)
+    scale = (limit / ((640 // 14) * (480 // 14))) ** 0.5
+    assert plan.resized_size == (int(640 * scale), int(480 * scale)) == (604, 453)
+    assert plan.grid_hw == (34, 44) and plan.num_patches == 1496  # padded to 476 x 616 px
+    assert 480 * plan.num_patches == 718_080 > 655_360  # what the release gives too: counted before padding
+
+
+def test_a_k3_training_run_saves_k3_s_processors(tmp_path):
+    from train.loop import main as train_main
+
+    out = tmp_path / "run"
+    train_main(["--objective", "mae", "--preset", "tiny-v2", "--dataset", "digits", "--threads", "1",
+                "--no-progress", "--resolution", "28", "--batch-patches", "1024", "--steps", "1", "--evals", "0",
+                "--out", str(out)])  # fmt: skip
+    folder = out / "checkpoint"
+    assert MoonViTImageProcessor.from_pretrained(folder) == MoonViTImageProcessor.kimi_k3()
+    assert MoonViTVideoProcessor.from_pretrained(folder) == MoonViTVideoProcessor.kimi_k3()

@@ -124,15 +124,17 @@ def test_logreg_chooses_c_from_its_grid_on_the_validation_cut_and_refits_on_trai
     dataset = load_dataset("digits", seed=0)
     train_x, test_x = pixel_features(dataset.train.images), pixel_features(dataset.test.images)
     train_y, test_y = torch.from_numpy(dataset.train.labels), torch.from_numpy(dataset.test.labels)
-    config = LogRegConfig(inverse_regularization=(0.1, 1.0, 10.0), max_iter=500)
+    config = LogRegConfig(inverse_regularization=(0.1, 1.0, 10.0), max_iter=500, max_search_rows=None)
     result = run_logreg(train_x, train_y, test_x, test_y, config, threads=1)
     assert [s["C"] for s in result.grid] == [0.1, 1.0, 10.0] and result.chosen_C in (0.1, 1.0, 10.0)
     best = max(s["val_top1"] for s in result.grid)
     assert result.chosen_C == next(s["C"] for s in result.grid if s["val_top1"] == best)  # ties: the smallest C
     assert result.sizes["select_train"] + result.sizes["select_val"] == result.sizes["train"] == len(train_x)
-    # the refit is scikit-learn's fit on all of train, standardised with all of train's statistics
+    # the refit is scikit-learn's fit on all of train, standardised with all of train's statistics,
+    # with the chosen C as it is (see the next test)
+    assert result.refit["C"] == result.chosen_C and result.refit["rows"] == len(train_x)
     scaler = Standardizer.fit(train_x)
-    direct = LogisticRegression(C=result.chosen_C, max_iter=500).fit(scaler(train_x).numpy(), train_y.numpy())
+    direct = LogisticRegression(C=result.refit["C"], max_iter=500).fit(scaler(train_x).numpy(), train_y.numpy())
     np.testing.assert_array_equal(result.test_predictions, direct.predict(scaler(test_x).numpy()))
     assert result.test_top1 == pytest.approx((result.test_predictions == test_y.numpy()).mean())
     assert result.test_top1 > 0.9
@@ -141,6 +143,30 @@ def test_logreg_chooses_c_from_its_grid_on_the_validation_cut_and_refits_on_trai
     small = run_logreg(train_x, train_y, test_x, test_y, LogRegConfig(max_search_rows=300), threads=1)
     assert 290 <= small.sizes["select_train"] <= 310 and small.sizes["select_val"] == result.sizes["select_val"]
     assert small.sizes["train"] == len(train_x) and small.test_top1 > 0.9
+    assert small.refit == {**small.refit, "C": small.chosen_C, "rows": len(train_x)}
+
+
+def test_scikit_learns_c_weighs_the_sum_of_the_losses():
+    """What the refit's C means on more rows: scikit-learn minimises ``C * sum of losses + ||W||^2 / 2``,
+    so k copies of every row with C / k is the same objective times k (the same solution), and the
+    same C on the k-fold rows is a weaker penalty per row (the refit keeps it so, see eval.logreg)."""
+    from sklearn.linear_model import LogisticRegression
+
+    dataset = load_dataset("digits", seed=0)
+    pixels = pixel_features(dataset.train.images)
+    x = Standardizer.fit(pixels)(pixels)[:300].double().numpy()  # float64: the optima agree to 1e-6
+    y = dataset.train.labels[:300]
+    copies = 3
+    scaled_c = 0.01 / copies
+
+    def fit(rows, labels, c):
+        return LogisticRegression(C=c, max_iter=5000, tol=1e-10).fit(rows, labels).coef_
+
+    once = fit(x, y, 0.01)
+    many, many_y = np.concatenate([x] * copies), np.concatenate([y] * copies)
+    np.testing.assert_allclose(fit(many, many_y, scaled_c), once, atol=1e-6)
+    unscaled = fit(many, many_y, 0.01)
+    assert np.linalg.norm(unscaled) > 1.3 * np.linalg.norm(once)  # the same C: a weaker penalty per row
 
 
 # ---- the command line: figures, images/s and the CSV ---------------------------------------------------

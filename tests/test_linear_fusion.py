@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from helpers import random_pack, tiny_model
 
 import moonvit.model.linear as cpu_linear
-from moonvit.model.linear import cpu_bf16_matmul, linear, set_cpu_bf16_matmul
+from moonvit.model.linear import cpu_bf16_matmul, cpu_bf16_matmul_mode, linear, set_cpu_bf16_matmul
 from projector import MoonViTProjector, ProjectorConfig
 
 needs_fusion = pytest.mark.skipif(
@@ -116,6 +116,36 @@ def test_auto_widens_bf16_only_where_the_cpu_has_no_bf16_arithmetic(monkeypatch)
         assert set_cpu_bf16_matmul(previous) == "bf16"
     with pytest.raises(ValueError, match="auto, bf16, float32.*'fp16'"):
         set_cpu_bf16_matmul("fp16")
+
+
+def test_the_mode_takes_the_command_lines_spelling_fp32():
+    """``fp32`` (as every ``--dtype`` spells it) is ``float32``; the name kept is the canonical one."""
+    previous = set_cpu_bf16_matmul("fp32")
+    try:
+        assert cpu_bf16_matmul() == "float32"
+        assert set_cpu_bf16_matmul("bfloat16") == "float32"
+        assert cpu_bf16_matmul() == "bf16"
+    finally:
+        set_cpu_bf16_matmul(previous)
+
+
+def test_the_mode_context_manager_restores_the_previous_mode():
+    previous = set_cpu_bf16_matmul("bf16")
+    try:
+        with cpu_bf16_matmul_mode("fp32") as mode:
+            assert mode == cpu_bf16_matmul() == "float32"
+            with cpu_bf16_matmul_mode("auto"):
+                assert cpu_bf16_matmul() == ("bf16" if cpu_linear.cpu_has_bf16_arithmetic() else "float32")
+            assert cpu_bf16_matmul() == "float32"  # the inner block restored the outer one's mode
+        assert cpu_bf16_matmul() == "bf16"
+        with pytest.raises(RuntimeError, match="inside"), cpu_bf16_matmul_mode("float32"):
+            raise RuntimeError("inside")
+        assert cpu_bf16_matmul() == "bf16"  # restored after an exception too
+        with pytest.raises(ValueError, match="'fp16'"), cpu_bf16_matmul_mode("fp16"):
+            pass
+        assert cpu_bf16_matmul() == "bf16"  # a refused mode changes nothing
+    finally:
+        set_cpu_bf16_matmul(previous)
 
 
 @pytest.mark.parametrize("mode", MODES, indirect=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -89,7 +90,16 @@ def test_cli_on_digits_writes_results_and_reuses_features(tmp_path, capsys):
     out = tmp_path / "run"
     args = ["--preset", "tiny", "--random-init", "--dataset", "digits", "--short-side", "56", "--out", str(out), *FAST]
     first = main(args)
-    assert "| mean | adamw | 64 |" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "| mean | adamw | 64 |" in printed.out
+    # every stage after the features shows a bar, then a line with its seconds, for both views
+    for view in ("mean", "pixels"):
+        for stage in ("linear probe: search (4 heads)", "linear probe: refit", "kNN: test", "kNN: validation"):
+            assert f"digits {view}: {stage}" in printed.err, stage
+        for stage in ("linear probe", "kNN", "logistic regression"):
+            assert re.search(f"digits {view}: {stage} took [0-9.]+ s", printed.err), stage
+    # the output says the refit keeps the chosen C on more rows (a weaker penalty per row)
+    assert re.search(r"C=0.1 chosen on 129[0-9] rows and refitted as it is on 1438: .* 1.1x weaker", printed.err)
     saved = json.loads((out / "results.json").read_text())
     assert [run["features"] for run in saved["runs"]] == ["mean", "pixels"]
     assert saved["runs"][1]["test"]["top1"] >= 0.9 and len(saved["per_class_recall"]) == 10
@@ -103,6 +113,37 @@ def test_cli_on_digits_writes_results_and_reuses_features(tmp_path, capsys):
     assert second["knn_top1"] == first["knn_top1"] and second["logreg_top1"] == first["logreg_top1"]
     # a row per view and run, in the CSV beside the output folder (as the feature cache)
     assert len((tmp_path / "probe_results.csv").read_text().splitlines()) == 1 + 2 * 2
+
+
+def test_ctrl_c_keeps_the_views_that_finished(tmp_path, capsys, monkeypatch):
+    import eval.linear_probe as linear_probe
+
+    finished = linear_probe.probe_view
+
+    def interrupted_at_pixels(view, *args, **kwargs):
+        if view == "pixels":
+            raise KeyboardInterrupt
+        return finished(view, *args, **kwargs)
+
+    monkeypatch.setattr(linear_probe, "probe_view", interrupted_at_pixels)
+    out = tmp_path / "run"
+    args = ["--preset", "tiny", "--random-init", "--dataset", "digits", "--short-side", "28", "--out", str(out), *FAST]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 130
+    error = capsys.readouterr().err
+    assert f"interrupted during the pixels view: {out / 'results.json'} holds the views that finished (mean)" in error
+    saved = json.loads((out / "results.json").read_text())
+    assert [run["features"] for run in saved["runs"]] == ["mean"] and saved["interrupted_views"] == ["pixels"]
+    assert (out / "table.md").is_file() and not (tmp_path / "probe_results.csv").exists()  # whole runs only
+
+    # interrupted before any view finished: one line, nothing written
+    monkeypatch.setattr(linear_probe, "probe_view", lambda *args, **kwargs: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args[: -len(FAST)], "--out", str(tmp_path / "none"), *FAST])
+    assert exit_info.value.code == 130
+    assert "interrupted during the mean view; nothing was written" in capsys.readouterr().err
+    assert not (tmp_path / "none" / "results.json").exists()
 
 
 def test_cli_probes_a_checkpoint_folder(tmp_path):

@@ -240,7 +240,7 @@ def test_the_context_tokens_take_the_projected_rows_in_order():
 # ---- downstream: every command line -----------------------------------------------------------------
 
 
-def test_the_command_lines_take_a_locateanything_folder(tmp_path):
+def test_the_command_lines_take_a_locateanything_folder(tmp_path, capsys):
     from eval.linear_probe import main as probe_main
     from moonvit.__main__ import main as moonvit_main
     from moonvit.onnx.__main__ import main as onnx_main
@@ -252,6 +252,8 @@ def test_the_command_lines_take_a_locateanything_folder(tmp_path):
     moonvit_main(
         ["--checkpoint", str(folder), "--images", str(tmp_path / "a.png"), "--dtype", "fp32", "--out", str(out)]
     )
+    header = "processor: LocateAnything-3B's rule: images 25600 patches, stretched to 28 px (sides over 511 refused)"
+    assert header in capsys.readouterr().out.splitlines()
     summary = json.loads((out / "summary.json").read_text())["images"]
     assert summary[0]["grid_hw"] == [4, 6]  # 70 x 42 stretched to 84 x 56, not padded
     assert load_file(out / "merged.safetensors")["a.png"].shape == (6, 4, 64)

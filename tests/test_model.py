@@ -100,15 +100,33 @@ def test_backend_gradients_agree():
         torch.testing.assert_close(sdpa, eager, rtol=1e-4, atol=1e-5)
 
 
-def test_gradient_checkpointing_gives_the_same_gradients():
+def test_gradient_checkpointing_gives_the_same_gradients(monkeypatch):
+    """Checkpointed, each block's forward runs again in backward (none does without), and the
+    gradients are those of the plain backward."""
     pixels, grids = random_pack([(4, 4), (2, 6)])
-    results = []
+    calls = {"forward": 0, "backward": 0}
+    phase = ["forward"]
+    original = blocks.Block.forward
+
+    def counted(self, *args, **kwargs):
+        calls[phase[0]] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(blocks.Block, "forward", counted)
+    results, counts = [], []
     for checkpointing in (False, True):
         model = tiny_model().train()
         if checkpointing:
             model.gradient_checkpointing_enable()
-        model(pixels, grids).last_hidden_state.sum().backward()
+        calls.update(forward=0, backward=0)
+        phase[0] = "forward"
+        loss = model(pixels, grids).last_hidden_state.sum()
+        phase[0] = "backward"
+        loss.backward()
+        counts.append(dict(calls))
         results.append([p.grad for p in model.parameters()])
+    depth = tiny_model().config.num_hidden_layers
+    assert counts == [{"forward": depth, "backward": 0}, {"forward": depth, "backward": depth}]
     for plain, checkpointed in zip(*results):
         torch.testing.assert_close(checkpointed, plain)
 

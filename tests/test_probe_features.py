@@ -131,3 +131,43 @@ def test_preset_hash_depends_on_seed_and_needs_random_init():
     assert not first.model.training
     with pytest.raises(ValueError, match="--random-init"):
         load_frozen_encoder(preset="tiny")
+
+
+def test_pixels_of_image_files_show_progress_and_are_cached(tmp_path, capsys, monkeypatch):
+    from PIL import Image
+
+    import eval.features as features
+
+    paths = []
+    for i in range(5):
+        paths.append(tmp_path / f"{i}.png")
+        Image.fromarray(images(1, seed=i)[0]).convert("RGB").resize((40, 30)).save(paths[-1])
+    split = Split(paths, np.arange(5) % 2)
+    cache = FeatureCache(tmp_path / "cache")
+    settings = dict(dataset="imagefolder:x", split_name="train", resize=ResizePolicy(), cache=cache)
+    first, hit = split_features(None, split, "pixels", **settings)
+    assert not hit and first.shape == (5, 3 * features.PIXEL_SIDE**2)
+    assert "imagefolder:x train pixels" in capsys.readouterr().err  # the loading's tqdm bar
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+
+    def never(path):
+        raise AssertionError(f"{path} was read again")
+
+    monkeypatch.setattr(features, "load_image", never)
+    again, hit = split_features(None, split, "pixels", **settings)
+    assert hit and torch.equal(again, first)
+    # another split (an image rewritten: other bytes, size and mtime) misses
+    Image.new("RGB", (20, 20), (9, 9, 9)).save(paths[0])
+    monkeypatch.undo()
+    changed, hit = split_features(None, split, "pixels", **settings)
+    assert not hit and not torch.equal(changed[0], first[0]) and torch.equal(changed[1:], first[1:])
+
+
+def test_pixels_of_an_array_are_computed_not_cached(tmp_path):
+    cache = FeatureCache(tmp_path / "cache")
+    split = Split(images(4), np.arange(4) % 2)
+    pixels, hit = split_features(
+        None, split, "pixels", dataset="digits", split_name="train", resize=ResizePolicy(), cache=cache
+    )
+    assert not hit and torch.equal(pixels, torch.from_numpy(split.images.reshape(4, -1) / 255).float())
+    assert not (tmp_path / "cache").exists()

@@ -314,3 +314,25 @@ def test_chunks_count_their_spatial_tokens_whatever_their_frames():
     assert [part.count("<|media_pad|>") for part in expanded.split("<|media_content|>")[1:]] == [2, 4, 1]
     with pytest.raises(ValueError, match="holds 3 <\\|media_pad\\|> placeholders for 2 items"):
         expand_media_pads(text, [[2, 2], [2, 2]])
+
+
+def test_k3_s_image_markers_carry_the_original_size_from_the_manifest():
+    from projector import expand_media_pads, k3_image_prompt, k3_media_prompts
+
+    assert k3_image_prompt(640, 480) == "<|media_begin|>image 640x480<|media_content|><|media_pad|><|media_end|>"
+    records = [  # manifest.jsonl lines: an image scaled down to its budget, then a video's chunk
+        {"id": "big.jpg", "size": [4000, 3000], "resized": [2936, 2202], "grid_hw": [158, 210], "num_tokens": 8295},
+        {"id": "v.mp4#1", "size": [64, 48], "grid_hw": [4, 6], "video_id": "v.mp4", "chunk": 1, "timestamp": 0.5,
+         "frames": 4},
+    ]  # fmt: skip
+    prompts = k3_media_prompts(records)
+    assert prompts == [
+        "<|media_begin|>image 4000x3000<|media_content|><|media_pad|><|media_end|>",  # the upload, not the grid
+        "00:00:00.500<|media_begin|>video<|media_content|><|media_pad|><|media_end|>",
+    ]
+    expanded = expand_media_pads("".join(prompts), [[1, 158, 210], [4, 4, 6]])
+    assert expanded.count("<|media_pad|>") == 158 * 210 // 4 + 6
+    with pytest.raises(ValueError, match="manifest record 'x.png' has no size"):
+        k3_media_prompts([{"id": "x.png", "grid_hw": [2, 2]}])
+    with pytest.raises(ValueError, match="width must be a positive int"):
+        k3_image_prompt(0, 10)

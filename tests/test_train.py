@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import interruptible
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -184,6 +187,23 @@ def test_smoke_run_writes_a_loadable_encoder_a_head_results_and_curves(tmp_path)
     assert (tmp_path / "results.json").read_text() == before
 
 
+@pytest.mark.parametrize(
+    "metric, panels",
+    [("top1", ["loss", "top-1 accuracy"]), ("cosine", ["loss", "cosine to the teacher"]), (None, ["loss"])],
+)
+def test_the_curves_draw_the_objectives_own_metric_or_the_loss_alone(tmp_path, metric, panels):
+    """Supervised: top-1; distillation: its cosine; MAE (no metric): no empty second panel."""
+    from train.log import plot_curves
+
+    extra = {} if metric is None else {metric: 0.5}
+    records = [{"kind": "train", "step": s, "loss": 1 / s, **extra} for s in range(1, 6)]
+    records.append({"kind": "val", "step": 5, "loss": 0.3, **extra})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png", "a run", metric) == panels
+    with Image.open(tmp_path / "curves.png") as png:
+        assert png.width == 550 * len(panels)  # 5.5 inches a panel at 100 dpi
+
+
 def kill_after_steps(args: list, out: Path, steps: int) -> None:
     """Start ``python -m train ARGS --out OUT``, SIGKILL it once ``steps`` training steps are logged
     (or after 60 s, or when it ends by itself)."""
@@ -288,11 +308,69 @@ def test_unreadable_images_are_one_line_or_left_out_and_recorded(tmp_path):
     assert any("left out 2 unreadable images" in m for m in messages) and any("'owl'" in m for m in messages)
 
 
-def test_resuming_with_other_threads_warns_and_supervised_runs_draw_no_pictures(tmp_path):
-    train(*RUN, "--steps", "2", "--out", tmp_path)
+def interrupt_at_step(monkeypatch, step: int) -> None:
+    """Ctrl-C (KeyboardInterrupt) in the middle of training step ``step`` of the next in-process run."""
+    from train.trainer import Trainer
+
+    original = Trainer.train_step
+
+    def train_step(self, *args, **kwargs):
+        if self.step + 1 == step:
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+
+
+def test_resuming_with_other_threads_warns_records_it_and_supervised_runs_draw_no_pictures(
+    tmp_path, monkeypatch, capsys
+):
+    with monkeypatch.context() as patch:
+        interrupt_at_step(patch, 4)
+        with pytest.raises(SystemExit) as exit_:
+            train(*RUN, "--steps", "6", "--save-every", "2", "--out", tmp_path)
+    assert exit_.value.code == 130
+    state = tmp_path / "state" / "last.pt"
+    kept = f"interrupted at step 4 of 6: the checkpoint of step 2 is kept in {state}; the same command resumes from it"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == kept
+    message = "resuming with 2 threads, where the run so far used 1 (to step 2)"
+    with pytest.warns(UserWarning, match=re.escape(message)):
+        results = train(*RUN, "--steps", "6", "--save-every", "2", "--threads", "2", "--out", tmp_path)
+    assert results["steps"] == 6 and results["threads"] == 2
+    assert [w for w in results["data_warnings"] if w.startswith(message)]  # recorded, as the README says
     assert not (tmp_path / "pictures").exists()
-    with pytest.warns(UserWarning, match="resuming with 2 threads, where the run so far used 1"):
-        train(*RUN, "--steps", "2", "--threads", "2", "--out", tmp_path)
+
+
+def test_ctrl_c_prints_one_line_naming_the_kept_step_and_exits_130(tmp_path):
+    """SIGINT to a real ``python -m train``: no traceback, one line saying which step's checkpoint is
+    kept and that the same command resumes, exit status 130; the same command then resumes there."""
+    args = [*RUN, "--steps", "400", "--save-every", "2", "--evals", "0"]
+    command = [sys.executable, "-m", "train", *map(str, args), "--out", str(tmp_path)]
+    process = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible
+    )
+    log, deadline = tmp_path / "metrics.jsonl", time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        if log.is_file() and log.read_text().count('"train"') >= 3:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    try:
+        _, stderr = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail("python -m train did not stop on SIGINT")
+    assert process.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    saved = torch.load(tmp_path / "state" / "last.pt", weights_only=False)["step"]
+    line = re.fullmatch(
+        r"interrupted at step (\d+) of 400: the checkpoint of step (\d+) is kept in (.+); the same command "
+        r"resumes from it",
+        stderr.strip().splitlines()[-1],
+    )
+    assert line is not None, stderr[-3000:]
+    assert int(line.group(2)) == saved and Path(line.group(3)) == tmp_path / "state" / "last.pt"
+    assert saved < int(line.group(1)) <= saved + 2
 
 
 def test_bf16_on_a_cpu_without_bf16_arithmetic_warns_and_fp32_does_not(tmp_path, monkeypatch):
@@ -303,6 +381,22 @@ def test_bf16_on_a_cpu_without_bf16_arithmetic_warns_and_fp32_does_not(tmp_path,
             warnings.simplefilter("always")
             train(*RUN, "--steps", "1", "--evals", "0", "--dtype", dtype, "--out", tmp_path / f"{hardware}-{dtype}")
         assert any(message in str(w.message) for w in caught) is warned, (hardware, dtype)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--teacher", "TMP"], "--teacher is for --objective distill, not --objective supervised, which would ignore"),
+        (["--mask-ratio", "0.5"], "--mask-ratio is for --objective mae, not --objective supervised"),
+        (["--resolution", "56", "28"], "--resolution takes MIN MAX, got MIN 56 above MAX 28"),
+    ],
+)
+def test_flags_that_would_be_ignored_or_swapped_are_refused(tmp_path, flags, message, capsys):
+    flags = [str(tmp_path) if flag == "TMP" else flag for flag in flags]
+    with pytest.raises(SystemExit) as exit_:
+        train(*TINY, "--steps", "1", *flags, "--out", tmp_path / "run")
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_budget_below_one_image_is_refused(tmp_path):
@@ -381,11 +475,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun's workers run in process groups of their own)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def run_ranks(command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run a torchrun ``command`` to its end; past ``timeout`` seconds (a hang) SIGKILL it and every
+    worker below it (a plain timeout would leave the workers waiting in a collective) and fail."""
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [*descendants(process.pid), process.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"the ranks did not finish in {timeout:g} s (a hang): {stderr[-3000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 def test_two_rank_gloo_ddp_equals_one_process_with_the_same_global_packs(tmp_path):
     args = [*RUN, *MIXED, "--steps", "12", "--packs-per-step", "2"]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     command += ["--master-port", str(free_port()), "-m", "train", *args, "--out", str(tmp_path / "ddp")]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    result = run_ranks(command)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Warning" not in result.stderr, result.stderr[-3000:]  # no torch warning printed by every rank
     train(*args, "--out", tmp_path / "one")
@@ -399,7 +525,7 @@ def test_two_rank_fsdp2_equals_one_process_in_fp32(tmp_path):
     args = [*RUN, "--steps", "6", "--packs-per-step", "2", "--dtype", "fp32"]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     command += ["--master-port", str(free_port()), "-m", "train", *args, "--fsdp", "--out", str(tmp_path / "fsdp")]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    result = run_ranks(command)
     assert result.returncode == 0, result.stderr[-3000:]
     train(*args, "--out", tmp_path / "one")
     one, two = weights(tmp_path / "one"), weights(tmp_path / "fsdp")

@@ -19,7 +19,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
-from test_train import REPO, free_port, train, weights
+from test_train import REPO, descendants, free_port, run_ranks, train, weights
 
 from moonvit.distributed import Ranks, process_group_backend
 from train.config import parse_args
@@ -31,23 +31,6 @@ SUPERVISED = ["--objective", "supervised", *TINY, "--batch-patches", "1024", "--
 def torchrun(ranks: int, args: list, out: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
             str(free_port()), "-m", "train", *map(str, args), "--out", str(out)]  # fmt: skip
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (torchrun's workers run in process groups of their own)."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(stat.parent.name)] = int(fields[1])
-    found, frontier = [], [pid]
-    while frontier:
-        children = [child for child, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
 
 
 def kill_after(command: list[str], out: Path, steps: int) -> None:
@@ -95,10 +78,24 @@ def test_every_tensor_the_trainer_reduces_is_on_the_host(tmp_path, monkeypatch):
 # ---- gradient checkpointing -------------------------------------------------------------------------
 
 
-def test_gradient_checkpointing_is_wired_and_changes_no_result(tmp_path):
+def test_gradient_checkpointing_is_wired_and_changes_no_result(tmp_path, monkeypatch):
+    """With --grad-checkpointing every training forward of a block runs twice (again in backward;
+    evaluation forwards run without gradients, once), and the run's weights are the plain run's."""
+    import moonvit.model.blocks as blocks
+
+    original = blocks.Block.forward
+    with_grad = {"n": 0}
+
+    def counted(self, *inputs, **kwargs):
+        with_grad["n"] += torch.is_grad_enabled()
+        return original(self, *inputs, **kwargs)
+
+    monkeypatch.setattr(blocks.Block, "forward", counted)
     args = [*SUPERVISED, "--steps", "3", "--dtype", "fp32", "--drop-path", "0.1"]
     plain = train(*args, "--out", tmp_path / "plain")
+    plain_forwards, with_grad["n"] = with_grad["n"], 0
     checkpointed = train(*args, "--grad-checkpointing", "--out", tmp_path / "checkpointed")
+    assert plain_forwards == 3 * 2 and with_grad["n"] == 2 * plain_forwards  # 3 steps x 2 blocks, then recomputed
     a, b = weights(tmp_path / "plain"), weights(tmp_path / "checkpointed")
     assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)  # the same steps, recomputed
     assert checkpointed["args"]["grad_checkpointing"] == "True" and plain["args"]["grad_checkpointing"] == "False"
@@ -128,7 +125,7 @@ def test_fsdp2_resumes_at_another_world_size(tmp_path, first, then):
     kill_after(torchrun(2, args, out) if first == 2 else alone, out, 3)  # the state of step 2 is written
     assert not (out / "results.json").exists() and (out / "state" / "last.pt").is_file()
     command = torchrun(2, args, out) if then == 2 else alone
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_ranks(command)
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = re.search(rf"resuming .* at step (\d+) of 12 \({then} ranks\)", result.stdout)
     assert resumed and 2 <= int(resumed.group(1)) < 12, result.stdout

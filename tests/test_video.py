@@ -258,3 +258,106 @@ def test_export_writes_one_record_per_chunk_and_resumes(tmp_path):
     batch = collate_visual_tokens([items[0], items[1], items[2]])
     assert batch["grid_thws"].tolist() == [[4, 4, 4], [2, 4, 4], [1, *still["grid_hw"]]]
     assert batch["timestamps"] == [0.0, second["timestamp"], None]
+
+
+# ---- saved folders and presets keep their family's rules ------------------------------------------
+
+
+def _family_processors(family: str) -> tuple[MoonViTImageProcessor, MoonViTVideoProcessor | None]:
+    """What each family's folder holds: Kimi-VL's tower takes images only (no video file is written)."""
+    k25 = MoonViTImageProcessor.kimi_k25()
+    return {
+        "kimi-vl": (MoonViTImageProcessor(), None),
+        "k25": (k25, MoonViTVideoProcessor.for_images(k25)),
+        "k3": (MoonViTImageProcessor.kimi_k3(), MoonViTVideoProcessor.kimi_k3()),
+    }[family]
+
+
+@pytest.mark.parametrize(
+    "family, expected",
+    [("kimi-vl", (2.0, 4096, None, 4)), ("k25", (2.0, 4096, None, 4)), ("k3", (8.0, 16384, 655360, 4))],
+)
+def test_a_saved_folder_reads_back_its_video_rule(tmp_path, family, expected):
+    image, video = _family_processors(family)
+    image.save_pretrained(tmp_path)
+    if video is not None:
+        assert video.save_pretrained(tmp_path) == tmp_path / "video_preprocessor_config.json"
+    loaded = MoonViTVideoProcessor.from_pretrained(tmp_path)
+    fps, frame_limit, video_limit, chunk = expected
+    assert (loaded.sample_fps, loaded.frame_processor.in_token_limit, loaded.video_patch_limit) == (
+        fps,
+        frame_limit,
+        video_limit,
+    )
+    assert loaded.frames_per_chunk == chunk and MoonViTImageProcessor.from_pretrained(tmp_path) == image
+    assert loaded == (video or MoonViTVideoProcessor.for_images(image))  # every field, frames' settings too
+    if family == "k3":
+        assert loaded.to_dict() == MoonViTVideoProcessor.kimi_k3().to_dict()
+        written = json.loads((tmp_path / "video_preprocessor_config.json").read_text())
+        assert written == {"video_processor_type": "MoonViTVideoProcessor", **MoonViTVideoProcessor.kimi_k3().to_dict()}
+
+
+def test_every_preset_brings_its_family_s_processors():
+    from moonvit import PRESETS, preset_processors
+    from moonvit.media.presets import PRESET_FAMILIES
+
+    assert set(PRESET_FAMILIES) == set(PRESETS)
+    for name in PRESETS:
+        config, rule = preset_config(name), preset_processors(name)
+        if name.endswith("-v2"):
+            assert config.norm_type == "rmsnorm" and rule.family == "Kimi K3"
+            assert (rule.image, rule.video) == (MoonViTImageProcessor.kimi_k3(), MoonViTVideoProcessor.kimi_k3())
+        elif name.endswith("-3d"):
+            assert config.max_frames == 4 and rule.family == "Kimi-K2.5"
+            assert rule.image == MoonViTImageProcessor.kimi_k25()
+            assert (rule.video.sample_fps, rule.video.frame_processor.in_token_limit) == (2.0, 4096)
+        else:
+            assert config.max_frames == 1 and rule.family == "Kimi-VL" and rule.image == MoonViTImageProcessor()
+    assert preset_processors("tiny-v2", side_limit_mode="error").image.side_limit_mode == "error"
+    from eval.encoder import load_frozen_encoder  # the probe's --preset takes the same rule
+
+    assert load_frozen_encoder(preset="tiny-v2", random_init=True).processor == MoonViTImageProcessor.kimi_k3()
+    with pytest.raises(ValueError, match="unknown preset 'nope'"):
+        preset_processors("nope")
+
+
+@pytest.mark.parametrize(
+    "preset, chunks, header",
+    [
+        ("tiny-v2", [4, 4], "processor: Kimi K3's rule: images 65536 patches, padded to 28 px "
+         "(sides over 512 resized); videos 8 fps, 16384 patches a frame, 655360 a video"),
+        ("tiny-3d", [2], "processor: Kimi-K2.5's rule: images 16384 patches, padded to 28 px "
+         "(sides over 512 resized); videos 2 fps, 4096 patches a frame"),
+    ],
+)  # fmt: skip
+def test_the_main_job_samples_and_saves_with_a_preset_s_rule(tmp_path, capsys, preset, chunks, header):
+    from moonvit.__main__ import main
+
+    clip = write_video(tmp_path / "clip.mkv", 10, 10.0, size=(40, 30))  # 1 s: 8 frames at 8 fps, 2 at 2 fps
+    saved, out = tmp_path / "saved", tmp_path / "out"
+    args = ["--preset", preset, "--videos", str(clip), "--dtype", "fp32", "--out", str(out)]
+    main([*args, "--threads", "1", "--save-checkpoint", str(saved)])
+    assert header in capsys.readouterr().out.splitlines()
+    summary = json.loads((out / "summary.json").read_text())["images"]
+    assert [entry["frames"] for entry in summary] == chunks
+    # the saved folder samples as the preset did, and the main job reads it back so
+    from moonvit import preset_processors
+
+    rule = preset_processors(preset)
+    assert MoonViTVideoProcessor.from_pretrained(saved) == rule.video
+    assert MoonViTImageProcessor.from_pretrained(saved) == rule.image
+    main(["--checkpoint", str(saved), *args[2:], "--threads", "1", "--out", str(tmp_path / "again")])
+    again = json.loads((tmp_path / "again" / "summary.json").read_text())["images"]
+    assert [entry["frames"] for entry in again] == chunks
+    assert header in capsys.readouterr().out.splitlines()  # the folder's processors match the family's rule
+
+
+def test_an_image_only_preset_saves_no_video_settings(tmp_path, capsys):
+    from moonvit.__main__ import main
+
+    main(["--preset", "tiny", "--dtype", "fp32", "--out", str(tmp_path / "out"), "--threads", "1",
+          "--save-checkpoint", str(tmp_path / "saved")])  # fmt: skip
+    header = "processor: Kimi-VL's rule: images 4096 patches, padded to 28 px (sides over 512 refused)"
+    assert header in capsys.readouterr().out
+    assert not (tmp_path / "saved" / "video_preprocessor_config.json").exists()
+    assert (tmp_path / "saved" / "preprocessor_config.json").is_file()

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from moonvit import CheckpointError, MoonViT, MoonViTConfig, MoonViTImageProcessor, preset_config
+from moonvit import CheckpointError, MoonViT, MoonViTConfig, MoonViTImageProcessor, preset_config, preset_processors
 from moonvit.distributed import Ranks
 
 from .batch import ImageSource
@@ -75,7 +75,7 @@ def build_encoder(config: TrainConfig) -> tuple[MoonViT, MoonViTImageProcessor]:
         except ValueError as error:
             raise TrainError(f"--preset {config.preset} with {overrides}: {error}") from error
         torch.manual_seed(config.seed)
-        encoder, processor = MoonViT(model_config), MoonViTImageProcessor()
+        encoder, processor = MoonViT(model_config), preset_processors(config.preset).image  # its family's rule
     if config.grad_checkpointing:
         encoder.gradient_checkpointing_enable()
     return encoder.train(), processor

@@ -337,7 +337,14 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     args = parser.parse_args(argv)
     if len(args.resolution) > 2:
         parser.error(f"--resolution takes MIN [MAX], got {len(args.resolution)} values")
-    low, high = sorted(args.resolution) * (2 if len(args.resolution) == 1 else 1)
+    low, high = args.resolution * (2 if len(args.resolution) == 1 else 1)
+    if low > high:
+        parser.error(f"--resolution takes MIN MAX, got MIN {low} above MAX {high} (did you mean {high} {low}?)")
+    foreign = _other_objectives_flags(parser, args)
+    if foreign:
+        owners = "; ".join(f"{flag} is for --objective {name}" for flag, name in foreign.items())
+        ignored = "it" if len(foreign) == 1 else "them"
+        parser.error(f"{owners}, not --objective {args.objective}, which would ignore {ignored}")
     if args.checkpoint is not None and any(
         getattr(args, name) is not None for name in ("depth", "width", "heads", "mlp_width", "pos_emb_size")
     ):
@@ -374,6 +381,25 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         }
     )
     return objective.check_config(config, parser.error)
+
+
+def _objective_flags(parser: argparse.ArgumentParser, name: str) -> dict[str, argparse.Action]:
+    """The flags objective ``name`` adds, by their ``dest``."""
+    fields = {f.name for f in dataclasses.fields(OBJECTIVES[name].Options)}
+    return {action.dest: action for action in parser._actions if action.dest in fields}
+
+
+def _other_objectives_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """The flags of objectives other than ``args.objective`` that the command line sets away from their
+    defaults (the chosen objective would ignore them silently, as a supervised run a ``--teacher``),
+    each with the objective it belongs to."""
+    mine = _objective_flags(parser, args.objective)
+    found: dict[str, str] = {}
+    for name in sorted(OBJECTIVES):
+        for dest, action in _objective_flags(parser, name).items():
+            if dest not in mine and getattr(args, dest) != action.default:
+                found.setdefault(action.option_strings[0], name)
+    return found
 
 
 def run_defining(config: TrainConfig) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from eval.probe import check_probe_labels
 from eval.splits import stratified_split
 from moonvit import IMAGE_EXTENSIONS, ImageLoadError, MoonViTImageProcessor, image_size
 from moonvit.files import files_below, folder_problem
+from moonvit.names import path_record
 
 from .batch import ImageSource
 
@@ -37,6 +38,11 @@ class SkippedImage:
     path: str
     split: str
     reason: str
+
+    def record(self) -> dict[str, str]:
+        """Its ``results.json`` entry: the path as :func:`~moonvit.names.path_record` writes it
+        (escaped, with its bytes beside it, when the name is not UTF-8), the split, the reason."""
+        return {**path_record(self.path), "split": self.split, "reason": self.reason}
 
 
 @dataclass(frozen=True)

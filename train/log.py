@@ -1,4 +1,4 @@
-"""What a user watches: the per-step JSONL log and the loss / accuracy curves PNG.
+"""What a user watches: the per-step JSONL log and the curves PNG (the loss, and the objective's metric).
 
 Each line of ``metrics.jsonl`` is one record: ``{"kind": "train", "step": ...}`` after every step
 (loss, accuracy on the step's images, lr, gradient norm, images, patches, utilisation, times,
@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from moonvit.names import display_name
 
 __all__ = ["MetricsLog", "plot_curves"]
 
@@ -53,8 +55,14 @@ def _smooth(values: list[float], weight: float = 0.9) -> list[float]:
     return out
 
 
-def plot_curves(log: Path, png: Path, title: str) -> None:
-    """Loss (left) and accuracy (right) against step: training (raw and smoothed) and validation."""
+METRIC_LABELS = {"top1": "top-1 accuracy", "cosine": "cosine to the teacher"}
+"""How the curves name an objective's metric (others by their key)."""
+
+
+def plot_curves(log: Path, png: Path, title: str, metric: str | None = None) -> list[str]:
+    """Loss against step (left) and, where the objective reports one, its ``metric`` (right: the
+    supervised ``top1``, distillation's ``cosine``): training (smoothed) and validation. Without a
+    metric (MAE) the figure is the loss alone. Returns the panels' titles."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,27 +71,30 @@ def plot_curves(log: Path, png: Path, title: str) -> None:
     records = read_records(log)
     train = [r for r in records if r["kind"] == "train"]
     val = [r for r in records if r["kind"] == "val"]
-    figure, (loss_axis, accuracy_axis) = plt.subplots(1, 2, figsize=(11, 4))
-    if train:
-        steps = [r["step"] for r in train]
-        loss_axis.plot(steps, [r["loss"] for r in train], color="tab:blue", alpha=0.25, linewidth=0.8)
-        loss_axis.plot(steps, _smooth([r["loss"] for r in train]), color="tab:blue", label="train (smoothed)")
-        if "accuracy" in train[0]:
-            accuracy_axis.plot(
-                steps, _smooth([r["accuracy"] for r in train]), color="tab:blue", label="train batches (smoothed)"
-            )
-    if val:
-        steps = [r["step"] for r in val]
-        loss_axis.plot(steps, [r["loss"] for r in val], "o-", color="tab:orange", label="validation")
-        if "top1" in val[0]:
-            accuracy_axis.plot(steps, [r["top1"] for r in val], "o-", color="tab:orange", label="validation top-1")
-    loss_axis.set(xlabel="step", ylabel="loss", title="loss")
-    accuracy_axis.set(xlabel="step", ylabel="accuracy", title="accuracy")
-    for axis in (loss_axis, accuracy_axis):
-        axis.grid(alpha=0.3)
-        if axis.get_legend_handles_labels()[0]:
-            axis.legend()
-    figure.suptitle(title)
+    names = ["loss"] if metric is None else ["loss", metric]
+    figure, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
+    for name, axis in zip(names, axes[0]):
+        _plot_metric(axis, name, train, val)
+    figure.suptitle(display_name(title))  # a dataset path may hold a file name that is not UTF-8
     figure.tight_layout()
     figure.savefig(png, dpi=100)
     plt.close(figure)
+    return [METRIC_LABELS.get(name, name) for name in names]
+
+
+def _plot_metric(axis: Any, name: str, train: list[dict[str, Any]], val: list[dict[str, Any]]) -> None:
+    """One panel: ``name`` of the training steps (raw, for the loss, and smoothed) and of the validations."""
+    label = METRIC_LABELS.get(name, name)
+    train = [r for r in train if name in r]
+    if train:
+        steps, values = [r["step"] for r in train], [r[name] for r in train]
+        if name == "loss":
+            axis.plot(steps, values, color="tab:blue", alpha=0.25, linewidth=0.8)
+        axis.plot(steps, _smooth(values), color="tab:blue", label="train batches (smoothed)")
+    val = [r for r in val if name in r]
+    if val:
+        axis.plot([r["step"] for r in val], [r[name] for r in val], "o-", color="tab:orange", label="validation")
+    axis.set(xlabel="step", ylabel=label, title=label)
+    axis.grid(alpha=0.3)
+    if axis.get_legend_handles_labels()[0]:
+        axis.legend()

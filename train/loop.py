@@ -10,12 +10,15 @@ score the test split once, and, with ``--probe-dataset``, linear-probe the expor
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import platform
 import sys
 import time
 import warnings
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,6 +31,7 @@ from moonvit.cli import apply_threads, one_line_warnings, torch_dtype
 from moonvit.distributed import Ranks, close_ranks, init_ranks
 from moonvit.files import write_text_atomic
 from moonvit.model.linear import cpu_has_bf16_arithmetic
+from moonvit.names import display_name
 from moonvit.perf import matmul_peak
 
 from .batch import UnreadableImageError
@@ -104,8 +108,8 @@ def run(config: TrainConfig, ranks: Ranks, device: torch.device) -> dict[str, An
         if data.skipped:
             first = data.skipped[0]
             warnings.warn(
-                f"--skip-bad-images left out {len(data.skipped)} unreadable images (the first: {first.path}: "
-                f"{first.reason}); all are listed in results.json",
+                f"--skip-bad-images left out {len(data.skipped)} unreadable images (the first: "
+                f"{display_name(first.path)}: {first.reason}); all are listed in results.json",
                 stacklevel=1,
             )
     objective = objective_class.from_config(encoder, data.classes, config)
@@ -117,16 +121,12 @@ def run(config: TrainConfig, ranks: Ranks, device: torch.device) -> dict[str, An
         "encoder": describe(encoder.config),
     }
     saved = load_state(state_path(out))
+    threads_warning = None
     if saved is not None:
         check_same_run(saved["run"], identity, out)
-        threads = saved.get("threads")
-        if ranks.is_main and threads is not None and threads != torch.get_num_threads():
-            warnings.warn(
-                f"resuming with {torch.get_num_threads()} threads, where the run so far used {threads}: CPU kernels "
-                "split their sums by thread count, so the result will not be bit-identical to an uninterrupted run "
-                f"(--threads {threads} keeps it so)",
-                stacklevel=1,
-            )
+        threads_warning = _threads_warning(saved)
+        if ranks.is_main and threads_warning is not None:
+            warnings.warn(threads_warning, stacklevel=1)
     trainer = Trainer(config, ranks, device, encoder, processor, objective, data, plan)
     if saved is None and objective.calibration_images:
         summary = calibrate(trainer)  # a resumed run restores what it set, with the objective's state
@@ -147,6 +147,8 @@ def run(config: TrainConfig, ranks: Ranks, device: torch.device) -> dict[str, An
     trainer.start(total)
     if saved is not None:
         trainer.load_state_dict(saved)
+        if threads_warning is not None:
+            trainer.warnings.append(threads_warning)  # kept with the state: results.json records it
         if ranks.is_main and trainer.step < total:
             print(f"resuming {out} at step {trainer.step} of {total} ({ranks.world_size} ranks)", flush=True)
     else:
@@ -189,10 +191,55 @@ def run(config: TrainConfig, ranks: Ranks, device: torch.device) -> dict[str, An
                     bar.write(f"step {trainer.step}: validation " + _summary(validation))
             if trainer.step == total or (config.save_every and trainer.step % config.save_every == 0):
                 save(trainer, identity)
+    except KeyboardInterrupt:
+        raise Interrupted(_interrupted_message(out, trainer)) from None
     finally:
         feed.close()
-    bar.close()
-    return finish(trainer)
+        bar.close()  # ends the bar's line before anything else is printed
+    with interruptible(out, trainer):
+        return finish(trainer)
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a run; its message is the one line :func:`main` prints instead of a traceback."""
+
+
+@contextlib.contextmanager
+def interruptible(out: Path, trainer: Trainer | None = None) -> Iterator[None]:
+    """Turn Ctrl-C (KeyboardInterrupt) within it into :class:`Interrupted`, saying which step's state is
+    kept (the last checkpoint: a save is atomic, so one cut short leaves the one before) and how to resume."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise Interrupted(_interrupted_message(out, trainer)) from None
+
+
+def _interrupted_message(out: Path, trainer: Trainer | None) -> str:
+    """The line for Ctrl-C: where the run was (``trainer``: None while it is being set up) and what is kept."""
+    path = state_path(out)
+    if trainer is None:
+        where = "while setting up the run"
+        kept = f"the checkpoint in {path} is kept" if path.is_file() else None
+    else:
+        where = (
+            f"at step {trainer.step + 1} of {trainer.total}" if trainer.step < trainer.total else "after the last step"
+        )
+        kept = None if trainer.saved_step is None else f"the checkpoint of step {trainer.saved_step} is kept in {path}"
+    if kept is None:
+        return f"interrupted {where}: no checkpoint had been written yet; the same command starts the run again"
+    return f"interrupted {where}: {kept}; the same command resumes from it"
+
+
+def _threads_warning(saved: dict[str, Any]) -> str | None:
+    """The warning for resuming ``saved`` with another thread count than it was saved with, or None."""
+    threads, now = saved.get("threads"), torch.get_num_threads()
+    if threads is None or threads == now:
+        return None
+    return (
+        f"resuming with {now} threads, where the run so far used {threads} (to step {saved['step']}): CPU kernels "
+        "split their sums by thread count, so the result will not be bit-identical to an uninterrupted run "
+        f"(--threads {threads} keeps it so)"
+    )
 
 
 def _check_probe_dataset(config: TrainConfig) -> None:
@@ -276,15 +323,16 @@ def finish(trainer: Trainer) -> dict[str, Any]:
         },
         "files": files,
         "calibration": trainer.calibration or None,
-        "data_warnings": list(data.warnings),
-        "skipped_images": [vars(image) for image in data.skipped],
+        "data_warnings": [*data.warnings, *trainer.warnings],
+        "skipped_images": [image.record() for image in data.skipped],
         "threads": torch.get_num_threads(),
         "world_size": ranks.world_size,
         "args": {k: str(v) for k, v in vars(config).items()},
         "command": " ".join(["python -m train", *sys.argv[1:]]),
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "moonvit": moonvit.__version__},
     }
-    plot_curves(out / "metrics.jsonl", out / "curves.png", f"{config.objective} on {data.name}")
+    metric = next(iter(trainer.objective.metrics(val)), None)  # top1, cosine; MAE reports none
+    plot_curves(out / "metrics.jsonl", out / "curves.png", f"{config.objective} on {data.name}", metric)
     write_text_atomic(out / "results.json", json.dumps(results, indent=2, default=str) + "\n")
     label, shown = ("test", test) if test is not None else ("validation", {"loss": val["loss"]})
     print(f"{label}: " + _summary({k: v for k, v in shown.items() if isinstance(v, float)}))
@@ -296,9 +344,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     apply_threads(config.threads)
     ranks, device = init_ranks(config.device)
     try:
-        with one_line_warnings():
+        with one_line_warnings(), interruptible(config.out):
             return run(config, ranks, device)
     except (DataError, RunMismatch, TrainError, UnreadableImageError) as error:
         raise SystemExit(f"error: {error}") from error
+    except Interrupted as interrupted:
+        if ranks.is_main:
+            print(interrupted, file=sys.stderr, flush=True)
+        raise SystemExit(130) from None  # the shell's code for a run ended by SIGINT
     finally:
         close_ranks()

@@ -65,7 +65,17 @@ class Parallel:
             self.runner = DistributedDataParallel(module)
 
     def __call__(self, batch: Any, evaluate: bool = False) -> ObjectiveOutput:
-        return self.runner(batch, evaluate=evaluate)
+        """The pack's output: through DDP / FSDP in training, through the module itself in evaluation.
+
+        Why evaluation bypasses DDP: DDP's forward broadcasts the buffers (a collective) at a rank's
+        first forward after a training step, and a rank with no evaluation pack (a split of fewer packs
+        than ranks) never makes that forward; it waits in the evaluation's all-reduce instead, and the
+        ranks hang. Evaluation needs no gradient hooks, and the buffers (a distillation teacher's
+        statistics) are already equal on every rank. FSDP2 shards the module itself, so there the
+        module is the runner, and every rank runs every evaluation forward.
+        """
+        runner = self.module if evaluate else self.runner
+        return runner(batch, evaluate=evaluate)
 
     def gradient_sync(self, enabled: bool) -> AbstractContextManager:
         """Within it, backward accumulates gradients locally (all but a rank's last pack of a step)."""

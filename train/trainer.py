@@ -25,6 +25,7 @@ import torch
 from moonvit import MoonViT, MoonViTImageProcessor
 from moonvit.cli import torch_dtype
 from moonvit.distributed import Ranks
+from moonvit.media.presets import video_processor_of
 from moonvit.perf import config_flops
 
 from .augment import AugmentConfig
@@ -79,6 +80,7 @@ class Trainer:
         self.images_seen = 0
         self.elapsed_s = 0.0
         self.calibration: dict[str, float] = {}
+        self.warnings: list[str] = []  # what the run warned of that results.json records (kept with the state)
         self.saved_step: int | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.schedule: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -108,7 +110,7 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """Everything a step depends on, gathered (every rank takes part; the result is the same
         on each): model and optimizer (full, by parameter name), schedule, plan position, RNG states,
-        counters, the ``--minutes`` calibration and the thread count."""
+        counters, the ``--minutes`` calibration, the run's warnings and the thread count."""
         assert self.optimizer is not None and self.schedule is not None
         return {
             "step": self.step,
@@ -121,6 +123,7 @@ class Trainer:
             "schedule": self.schedule.state_dict(),
             "plan": self.plan.packer.state_dict() if self.plan_state is None else self.plan_state,
             "rng": rng_states(),
+            "warnings": list(self.warnings),
             "threads": torch.get_num_threads(),
         }
 
@@ -134,6 +137,7 @@ class Trainer:
         set_rng_states(state["rng"])
         self.step, self.images_seen, self.elapsed_s = state["step"], state["images_seen"], state["elapsed_s"]
         self.calibration = dict(state.get("calibration") or {})
+        self.warnings = list(state.get("warnings") or [])
         self.saved_step = self.step
 
     # ---- one step -----------------------------------------------------------------------------
@@ -252,6 +256,9 @@ class Trainer:
         encoder.load_state_dict(parts["encoder"])
         encoder.save_pretrained(out / "checkpoint")
         self.processor.save_pretrained(out / "checkpoint")
+        if encoder.config.max_frames > 1:  # a video tower's folder keeps its source's video rule (K3: 8 fps)
+            video = video_processor_of(checkpoint=self.config.checkpoint, preset=self.config.preset)
+            video.save_pretrained(out / "checkpoint")
         return ["checkpoint", *self.objective.save(out, parts["objective"])]
 
 

@@ -22,7 +22,9 @@ The two projector types differ in more than a name:
 Dtypes follow the converter: 1-D tensors, norms and the position table in F32; the patch
 embedding in F16 for an F16 file, else F32; every other matrix in the file's dtype. Block
 quantisation (Q8_0, Q4_K) is not offered: K2.5's 4304-wide MLP does not split into blocks of 32.
-Kimi K3's tower (``kimik3``) is refused: it exists only in a fork of llama.cpp.
+Kimi K3's tower (``kimik3``) is refused: it exists only in a fork of llama.cpp. So is a LayerNorm eps
+the graph would not use: ``kimik25`` runs the tower's norms and the projector's pre-norm with the
+file's one eps, ``kimivl`` the pre-norm with a fixed 1e-5.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..files import atomic_path
@@ -54,6 +55,8 @@ GGUF_DTYPES = ("f32", "f16", "bf16")
 PROJECTOR_TYPES = ("kimik25", "kimivl")
 MIN_PATCHES = 8
 """The converter's smallest image, in patches (``clip.vision.image_min_pixels`` = 8 * 14 * 14)."""
+KIMIVL_PROJECTOR_EPS = 1e-5
+"""The projector pre-norm's eps in llama.cpp's ``kimivl`` graph (fixed there, not read from the file)."""
 _FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32}  # gguf.LlamaFileType: ALL_F32, MOSTLY_F16, MOSTLY_BF16
 
 
@@ -126,6 +129,25 @@ def _check(encoder: MoonViT, projector: Any, projector_type: str, dtype: str) ->
         )
     if c.patch_size != 14 or tuple(c.merge_kernel_size) != (2, 2) or c.rope_theta != 10000.0:
         raise ValueError("llama.cpp's Kimi graphs assume 14 px patches, a 2x2 merger and RoPE theta 10000")
+    _check_eps(c.layer_norm_eps, pc.layer_norm_eps, projector_type)
+
+
+def _check_eps(tower_eps: float | None, projector_eps: float, projector_type: str) -> None:
+    """The file has one eps (``clip.vision.attention.layer_norm_epsilon``): ``kimik25``'s graph uses
+    it for the tower's norms and the projector's pre-norm alike, ``kimivl``'s for the tower's only,
+    with the projector's fixed at 1e-5. A model whose norms llama.cpp would run with another eps is
+    refused rather than exported with a silently different one."""
+    assert tower_eps is not None  # a LayerNorm tower (checked before)
+    if projector_type == "kimik25" and float(tower_eps) != float(projector_eps):
+        raise ValueError(
+            f"the tower's LayerNorm eps ({tower_eps:g}) differs from its projector's ({projector_eps:g}), but "
+            "llama.cpp's kimik25 graph takes one eps for both: no GGUF file computes this model"
+        )
+    if projector_type == "kimivl" and float(projector_eps) != KIMIVL_PROJECTOR_EPS:
+        raise ValueError(
+            f"the projector's LayerNorm eps ({projector_eps:g}) is not the {KIMIVL_PROJECTOR_EPS:g} llama.cpp's "
+            "kimivl graph fixes for it; export as 'kimik25' if the tower's eps is the same"
+        )
 
 
 def _tensors(encoder: MoonViT, projector: Any, projector_type: str) -> dict[str, torch.Tensor]:
@@ -238,10 +260,9 @@ def export_gguf(
             writer.add_uint32("vision.pos_emb_width", c.init_pos_emb_width)
             writer.add_uint32("vision.pos_emb_time", c.init_pos_emb_time)
         writer.add_bool("clip.use_gelu", True)
-        # kimik25 reads it as the projector's pre-norm eps, kimivl as the tower's (both 1e-5 in the releases)
-        eps = pc.layer_norm_eps if projector_type == "kimik25" else c.layer_norm_eps
-        assert eps is not None  # a LayerNorm tower (checked above)
-        writer.add_float32("clip.vision.attention.layer_norm_epsilon", float(eps))
+        # The tower's eps; for kimik25 also the projector's (_check_eps refuses them differing).
+        assert c.layer_norm_eps is not None  # a LayerNorm tower (checked above)
+        writer.add_float32("clip.vision.attention.layer_norm_epsilon", float(c.layer_norm_eps))
         writer.add_uint32("clip.vision.projector.scale_factor", c.merge_kernel_size[0])
         if projector_type == "kimik25":
             pixels = c.patch_size**2
@@ -249,19 +270,11 @@ def export_gguf(
             writer.add_uint32("clip.vision.image_max_pixels", processor.in_token_limit * pixels)
         writer.add_uint32("general.quantization_version", 2)
         for tensor_name, tensor in tensors.items():
-            kind = tensor_dtype(tensor_name, tensor, dtype)
-            array = tensor.contiguous().numpy()
-            if kind == "f32":
-                writer.add_tensor(tensor_name, array.astype(np.float32))
-            elif kind == "f16":
-                writer.add_tensor(tensor_name, array.astype(np.float16))
-            else:
-                writer.add_tensor(
-                    tensor_name,
-                    gguf.quants.quantize(array, qtypes[kind]),
-                    raw_shape=array.shape,
-                    raw_dtype=qtypes[kind],
-                )
+            qtype = qtypes[tensor_dtype(tensor_name, tensor, dtype)]
+            # As the converter writes it: quantize() gives float32 / float16 arrays or, for BF16 (which
+            # numpy lacks), the bytes as uint8 with the last dimension doubled; the writer derives the
+            # element shape from that byte shape. A raw_shape would be taken for a byte shape and halved.
+            writer.add_tensor(tensor_name, gguf.quants.quantize(tensor.contiguous().numpy(), qtype), raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

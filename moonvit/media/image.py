@@ -9,8 +9,10 @@ only), so that packs can be planned before any image is decoded;
 from __future__ import annotations
 
 import os
+import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import numpy as np
@@ -24,6 +26,7 @@ __all__ = [
     "ImageLoadError",
     "ImageTooLargeError",
     "ImageWarning",
+    "decompression_bombs_raised",
     "image_size",
     "image_sources",
     "is_image",
@@ -208,11 +211,12 @@ def _open_file(path: str) -> Image.Image:
     """Open ``path`` lazily (header only), refusing images over Pillow's pixel limit.
 
     Pillow warns (``DecompressionBombWarning``) between one and two times its limit and raises
-    above; both become the one :class:`ImageTooLargeError`, so no warning is printed on top.
+    above; both become the one :class:`ImageTooLargeError`, so no warning is printed on top (in a
+    thread of a program's own, outside a command line, Pillow's warning may print first: see
+    :func:`decompression_bombs_raised`).
     """
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+        with decompression_bombs_raised():
             image = Image.open(path)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
         raise _too_large(path, str(error)) from None
@@ -223,6 +227,27 @@ def _open_file(path: str) -> Image.Image:
         image.close()
         raise _too_large(path, f"{image.width}x{image.height} = {image.width * image.height} pixels")
     return image
+
+
+@contextmanager
+def decompression_bombs_raised() -> Iterator[None]:
+    """Within the block, Pillow's ``DecompressionBombWarning`` is raised instead of printed (the
+    caller refuses the image with one error).
+
+    ``warnings.catch_warnings`` swaps the process's one filter list on entry and restores it on
+    exit, so the blocks of two threads that interleave restore each other's lists (a filter left on
+    for good, or another's lost). Only the main thread enters it here; in another thread (the
+    ``--workers`` decode threads) the block changes nothing, and the warning meets the filters in
+    force: the command lines enter this block on their main thread for their whole run
+    (:func:`moonvit.cli.one_line_warnings`), and the size check after the open refuses the image
+    in any case.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        yield
 
 
 def _too_large(path: str, size: str) -> ImageTooLargeError:

@@ -556,10 +556,11 @@ def read_video_settings(path: str | os.PathLike, cls: type, **overrides: Any) ->
 
     Its frames use the folder's image settings (:meth:`MoonViTImageProcessor.from_pretrained`)
     with K2.5's per-side cap and per-frame budget: ``in_patch_limit_each_frame`` of a release's
-    ``media_proc_cfg`` (default 4096), or ``max_patches`` of transformers'
-    ``video_preprocessor_config.json``; the sampling rate (``sample_fps`` / ``fps``) and the chunk
-    length (``temporal_merge_kernel_size`` / ``temporal_patch_size``) likewise, and Kimi K3's
-    budget for a whole video (``in_patch_limit_video``). A hub id is fetched like the image
+    ``media_proc_cfg`` or of this package's ``video_preprocessor_config.json`` (default 4096), or
+    ``max_patches`` of transformers' ``video_preprocessor_config.json``; the sampling rate
+    (``sample_fps`` / ``fps``) and the chunk length (``temporal_merge_kernel_size`` /
+    ``frames_per_chunk`` / ``temporal_patch_size``) likewise, and Kimi K3's budget for a whole
+    video (``in_patch_limit_video``, in either file). A hub id is fetched like the image
     processor's files.
     """
     folder = resolve_pretrained(path, _fetch_video_processor_files)
@@ -569,11 +570,17 @@ def read_video_settings(path: str | os.PathLike, cls: type, **overrides: Any) ->
         media = read_json(folder / CONFIG_NAME).get("media_proc_cfg")
         release = media if isinstance(media, dict) else {}
     video = read_json(folder / VIDEO_CONFIG_NAME) if (folder / VIDEO_CONFIG_NAME).is_file() else {}
-    frame_limit = release.get("in_patch_limit_each_frame") or video.get("max_patches") or 4096
+    frame_limit = (
+        release.get("in_patch_limit_each_frame")
+        or video.get("in_patch_limit_each_frame")  # this package's own file
+        or video.get("max_patches")  # transformers'
+        or 4096
+    )
     frames = dataclasses.replace(image, in_token_limit=int(frame_limit), side_limit_mode="resize")
     settings: dict[str, Any] = {"frame_processor": frames}
-    if release.get("in_patch_limit_video") is not None:  # Kimi K3: a budget for the whole video
-        settings["video_patch_limit"] = int(release["in_patch_limit_video"])
+    video_limit = release.get("in_patch_limit_video", video.get("in_patch_limit_video"))
+    if video_limit is not None:  # Kimi K3: a budget for the whole video
+        settings["video_patch_limit"] = int(video_limit)
     rate = release.get("sample_fps", video.get("sample_fps", video.get("fps")))
     if rate is not None:
         settings["sample_fps"] = float(rate)

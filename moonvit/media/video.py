@@ -17,6 +17,11 @@ The release's rule, step by step:
    in raster order.
 4. **Timestamps**: a chunk's is its first sampled frame's ``index / fps`` seconds.
 
+Kimi K3 adds a budget for a whole video (:attr:`MoonViTVideoProcessor.video_patch_limit`),
+which lowers the per-frame budget of step 3 for long videos; as every budget of the
+release's resize, it sets the scale before truncation and padding, so the padded frames of
+a video may exceed it.
+
 Files are decoded with PyAV (``pip install 'moonvit[video]'``) frame by frame,
 keeping only the sampled frames of the chunk at hand, so memory follows one
 chunk, not the video. Frames a user already decoded (a robot's camera stream)
@@ -26,6 +31,7 @@ come in as :class:`VideoFrames` with their fps.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import threading
@@ -38,8 +44,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..files import write_text_atomic
 from .image import ImageInput, ImageLoadError, image_size, load_image
-from .processor import ImagePlan, MoonViTImageProcessor, patchify
+from .processor import VIDEO_CONFIG_NAME, ImagePlan, MoonViTImageProcessor, patchify
 
 __all__ = [
     "VIDEO_EXTENSIONS",
@@ -314,7 +321,10 @@ class MoonViTVideoProcessor:
         video_patch_limit: Kimi K3's budget for a whole video (``in_patch_limit_video``): a video of
             n sampled frames has a per-frame limit of min(the frame processor's,
             max(1, round(video_patch_limit / n))), so long videos get smaller frames; None (K2.5):
-            no such budget.
+            no such budget. As in the release, the per-frame limit only sets the resize's scale,
+            ``sqrt(limit / ((W // p) * (H // p)))``, as an image's budget does; nothing counts the
+            padded frames against the video's budget, and they can exceed it (480 frames of
+            640x480: 34x44 = 1496 patches each, 718,080 in all, 9.6% over 655,360).
     """
 
     frame_processor: MoonViTImageProcessor = dataclasses.field(
@@ -351,11 +361,28 @@ class MoonViTVideoProcessor:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **overrides: Any) -> MoonViTVideoProcessor:
-        """Read a checkpoint folder's ``preprocessor_config.json`` (this project's, a K2.5
-        release's ``media_proc_cfg``, or transformers' form); see :mod:`moonvit.media.processor`."""
+        """Read a checkpoint folder's ``preprocessor_config.json`` (this project's, a K2.5 / K3
+        release's ``media_proc_cfg``, or transformers' form) and ``video_preprocessor_config.json``
+        (this project's, written by :meth:`save_pretrained`, or transformers'); see
+        :func:`moonvit.media.processor.read_video_settings`."""
         from .processor import read_video_settings
 
         return read_video_settings(path, cls, **overrides)
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write the video settings to ``directory/video_preprocessor_config.json`` and return that path.
+
+        The frames' other settings (normalisation, patch size, per-side cap) are the image
+        processor's, which :meth:`MoonViTImageProcessor.save_pretrained` writes beside it;
+        :meth:`from_pretrained` on the folder reads both back.
+        """
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        file = directory / VIDEO_CONFIG_NAME
+        write_text_atomic(
+            file, json.dumps({"video_processor_type": type(self).__name__, **self.to_dict()}, indent=2) + "\n"
+        )
+        return file
 
     def to_dict(self) -> dict[str, Any]:
         return {

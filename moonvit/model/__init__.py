@@ -13,7 +13,7 @@ from .config import PRESETS, MoonViTConfig, preset_config
 from .encoder import MoonViT, MoonViTOutput
 from .grid import PackedGrid, build_packed_grid, tokens_per_image
 from .interface import VisionEncoder
-from .linear import cpu_bf16_matmul, set_cpu_bf16_matmul
+from .linear import cpu_bf16_matmul, cpu_bf16_matmul_mode, set_cpu_bf16_matmul
 
 __all__ = [
     "PRESETS",
@@ -25,6 +25,7 @@ __all__ = [
     "attention_names",
     "build_packed_grid",
     "cpu_bf16_matmul",
+    "cpu_bf16_matmul_mode",
     "preset_config",
     "register_attention",
     "set_cpu_bf16_matmul",

@@ -12,8 +12,9 @@ dropped from the output.
 
 The kernel is compiled once per device, dtype and head shape with dynamic
 sequence lengths (Inductor's C++ template on CPU, Triton on CUDA), so a new
-pack size does not recompile; the first call's time, which includes the
-compile, is logged. CPU has no FlexAttention backward in torch: training on
+pack size does not recompile. The compile takes seconds to tens of seconds, so it is announced on
+the ``moonvit.flex`` logger before it starts (the command lines print it) and the first call's
+time, compile included, is logged after it. CPU has no FlexAttention backward in torch: training on
 CPU raises and names ``sdpa`` instead.
 """
 
@@ -35,7 +36,8 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from .grid import PackedGrid
 
-logger = logging.getLogger("moonvit")
+logger = logging.getLogger("moonvit.flex")
+"""Notices of the flex backend: the compile it is about to run, how long it took, a recompile."""
 
 BLOCK = 128
 """Rows per tile of the block mask (FlexAttention's default block size)."""
@@ -151,6 +153,18 @@ def _kernel(key: tuple, fresh: bool = False) -> Callable[..., torch.Tensor]:
     return kernel
 
 
+@functools.cache
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions of a compile that did not build (torch's compiler errors; those this torch
+    has), as opposed to errors of the inputs or of the run."""
+    import torch._dynamo.exc as dynamo_errors
+    import torch._inductor.exc as inductor_errors
+
+    names = ((dynamo_errors, "BackendCompilerFailed"), (dynamo_errors, "RecompileError"),
+             (dynamo_errors, "FailOnRecompileLimitHit"), (inductor_errors, "CppCompileError"))  # fmt: skip
+    return tuple(error for module, name in names if isinstance(error := getattr(module, name, None), type))
+
+
 def _kernel_key(q: torch.Tensor) -> tuple:
     """What a compiled kernel is specialised on: the inputs' device, dtype, heads and head_dim, and
     the global state the compiler guards (threads, grad and inference mode)."""
@@ -191,17 +205,28 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Pack
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     key = _kernel_key(q)
     first = key not in _first_calls
+    if first:
+        logger.info("compiling the flex attention kernel for %s %s, %d heads x %d (once per shape; it can take "
+                    "tens of seconds)", *key[:4])  # fmt: skip
     start = time.perf_counter()
     try:
         out = _kernel(key)(q, k, v, block_mask=mask)
-    except Exception as error:  # a guard the key does not cover made torch recompile
-        logger.info("moonvit flex attention: recompiling in a fresh entry after %s", type(error).__name__)
+    except _compile_errors() as error:
+        if first:  # the first compile of this key failed: a fresh entry would compile the same
+            raise
+        # A guard the key does not cover made torch recompile this key's entry, which may not build
+        # (see _kernel): compile it afresh, once; a second failure is raised.
+        # torch wraps the compiler's own error, whose message runs to pages: name it, first line only.
+        cause = getattr(error, "inner_exception", None) or error
+        reason = next(iter(str(cause).strip().splitlines()), "")
+        logger.info("flex attention: recompiling the kernel for %s %s, %d heads x %d failed (%s: %s); compiling "
+                    "it afresh, once", *key[:4], type(cause).__name__, reason)  # fmt: skip
         out = _kernel(key, fresh=True)(q, k, v, block_mask=mask)
     if first:
         if out.is_cuda:
             torch.cuda.synchronize(out.device)
         _first_calls[key] = time.perf_counter() - start
-        logger.info("moonvit flex attention: first call on %s %s (heads %d x %d), compile included: %.1f s",
+        logger.info("flex attention: first call on %s %s (heads %d x %d), compile included: %.1f s",
                     *key[:4], _first_calls[key])  # fmt: skip
     return out.squeeze(0).transpose(0, 1)[:total]
 

@@ -15,7 +15,8 @@ There :func:`linear` widens the bf16 input and weight to float32 (exact: every b
 a float32 value), runs the float32 GEMM with the same epilogue and rounds the result to bf16
 once: the arithmetic of the bf16 kernel (products summed in float32, one rounding at the
 end), in the order of another GEMM. The weight is widened per call, not kept (that would
-cost the memory bf16 weights save); :func:`set_cpu_bf16_matmul` chooses the path by hand.
+cost the memory bf16 weights save); :func:`set_cpu_bf16_matmul` chooses the path by hand, for the
+whole process, and :func:`cpu_bf16_matmul_mode` for the length of a ``with`` block.
 
 Everywhere else :func:`linear` is the module's own forward, so that:
 
@@ -28,13 +29,22 @@ from __future__ import annotations
 
 import functools
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
-__all__ = ["CPU_BF16_MATMUL_MODES", "computes_in_float32", "cpu_bf16_matmul", "linear", "set_cpu_bf16_matmul"]
+__all__ = [
+    "CPU_BF16_MATMUL_MODES",
+    "computes_in_float32",
+    "cpu_bf16_matmul",
+    "cpu_bf16_matmul_mode",
+    "linear",
+    "set_cpu_bf16_matmul",
+]
 
 # bf16 only: there the epilogue on the float32 accumulator saves a bf16 rounding of the
 # intermediate as well as a pass. float32 keeps MKL's addmm, so an fp32 forward gives the same
@@ -44,18 +54,37 @@ _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_l
 
 CPU_BF16_MATMUL_MODES = ("auto", "bf16", "float32")
 """How bf16 linears run on CPU: ``auto`` (float32 where the CPU has no bf16 arithmetic), ``bf16``
-(oneDNN's or torch's bf16 kernels, emulated or not), ``float32`` (widened, then rounded once)."""
+(oneDNN's or torch's bf16 kernels, emulated or not), ``float32`` (widened, then rounded once).
+The command lines' dtype spellings are accepted too: ``fp32`` / ``f32`` for ``float32``, ``bfloat16``
+for ``bf16``."""
+_MODE_SPELLINGS = {"fp32": "float32", "f32": "float32", "bfloat16": "bf16"}
 _cpu_bf16_matmul = "auto"
 
 
 def set_cpu_bf16_matmul(mode: str) -> str:
-    """Choose how bf16 linears of the encoder and projector run in CPU inference; one of
-    :data:`CPU_BF16_MATMUL_MODES` (``auto`` at import). Returns the mode it replaces."""
+    """Choose how bf16 linears of the encoder and projector run in CPU inference, for the whole
+    process; one of :data:`CPU_BF16_MATMUL_MODES` (``auto`` at import) or another spelling of one.
+    Returns the mode it replaces (by its name in :data:`CPU_BF16_MATMUL_MODES`)."""
     global _cpu_bf16_matmul
-    if mode not in CPU_BF16_MATMUL_MODES:
-        raise ValueError(f"the CPU bf16 matmul mode must be one of {', '.join(CPU_BF16_MATMUL_MODES)}, got {mode!r}")
-    previous, _cpu_bf16_matmul = _cpu_bf16_matmul, mode
+    name = _MODE_SPELLINGS.get(mode, mode)
+    if name not in CPU_BF16_MATMUL_MODES:
+        raise ValueError(
+            f"the CPU bf16 matmul mode must be one of {', '.join(CPU_BF16_MATMUL_MODES)} (or fp32), got {mode!r}"
+        )
+    previous, _cpu_bf16_matmul = _cpu_bf16_matmul, name
     return previous
+
+
+@contextmanager
+def cpu_bf16_matmul_mode(mode: str) -> Iterator[str]:
+    """``with cpu_bf16_matmul_mode("float32"): ...``: :func:`set_cpu_bf16_matmul` for the block, the
+    previous mode restored after it (on an exception too). Yields the mode in effect, ``auto``
+    resolved. The mode stays one setting of the process: other threads see it during the block."""
+    previous = set_cpu_bf16_matmul(mode)
+    try:
+        yield cpu_bf16_matmul()
+    finally:
+        set_cpu_bf16_matmul(previous)
 
 
 def cpu_bf16_matmul() -> str:

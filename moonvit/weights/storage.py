@@ -11,7 +11,11 @@ bytes only when it is asked for:
   (``torch.load(mmap=True)``) with ``weights_only=True`` (no code in the file is run), so the pages
   of tensors that are never read are never loaded either;
 - a pickle in torch's legacy (pre-1.6) format cannot be mapped: it is read whole, with a warning
-  naming the file and its size.
+  naming the file and its size (once per file and process: a load reads the file's names, then its
+  tensors).
+
+An index's shard names are file names inside the folder: an absolute name, or one that climbs out
+with ``..``, is refused before any file is opened.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
 import torch
@@ -151,12 +155,7 @@ def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
             if "mmap" not in str(err):  # a truncated zip, say: the legacy path would fail too
                 raise
             size = path.stat().st_size
-            warnings.warn(
-                f"{path} is in torch's legacy (pre-1.6) pickle format, which cannot be memory-mapped: it is read "
-                f"whole ({size / 2**20:.0f} MiB) to take its vision tensors; re-save it as safetensors to load "
-                "only those",
-                stacklevel=4,
-            )
+            _warn_legacy_pickle_once(path, size)
             state = torch.load(path, map_location="cpu", mmap=False, weights_only=True)
     except pickle.UnpicklingError as err:
         raise CheckpointError(
@@ -173,6 +172,27 @@ def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+_warned_legacy: set[tuple[str, int, int]] = set()
+"""Legacy pickles already warned about, by (resolved path, size, modification time)."""
+
+
+def _warn_legacy_pickle_once(path: Path, size: int) -> None:
+    """Warn that a legacy pickle is read whole, once per file: one load reads it up to three times
+    (its names for the family, its names per prefix, its tensors), which is one fact to the user.
+    A file rewritten since (another size or modification time) is warned about again."""
+    stat = path.stat()
+    key = (str(path.resolve()), size, stat.st_mtime_ns)
+    if key in _warned_legacy:
+        return
+    _warned_legacy.add(key)
+    warnings.warn(
+        f"{path} is in torch's legacy (pre-1.6) pickle format, which cannot be memory-mapped: it is read "
+        f"whole ({size / 2**20:.0f} MiB) to take its vision tensors; re-save it as safetensors to load "
+        "only those",
+        stacklevel=5,
+    )
+
+
 # ---- a folder's files ------------------------------------------------------------------------------
 
 
@@ -181,6 +201,14 @@ def read_weight_map(index: Path) -> dict[str, str]:
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
         raise CheckpointError(f"{index} has no weight_map of tensor names to file names")
+    for file_name in sorted(set(weight_map.values())):
+        # A shard is a file of the folder: a name that is absolute or climbs out with ".." would
+        # open (or fetch) a file the checkpoint does not own. Backslashes count as separators too.
+        parts = PurePosixPath(file_name.replace("\\", "/")).parts
+        if not parts or parts[0] == "/" or ".." in parts:
+            raise CheckpointError(
+                f"{index} names the shard {file_name!r}, which is not a file inside the checkpoint folder"
+            )
     return weight_map
 
 

@@ -62,6 +62,18 @@ class TeacherError(ValueError):
     """A ``--teacher`` that cannot be loaded or cannot see the student's patches."""
 
 
+def _channel_stats(processor: MoonViTImageProcessor, whose: str, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The processor's per-channel mean and std, each (channels, 1, 1) to broadcast over a patch
+    (C, p, p); a processor normalising another channel count than the towers' is refused."""
+    mean, std = torch.tensor(processor.image_mean), torch.tensor(processor.image_std)
+    if mean.numel() != channels or std.numel() != channels:
+        raise TeacherError(
+            f"the {whose}'s processor normalises {mean.numel()} channels (image_mean) and {std.numel()} (image_std), "
+            f"but the towers take {channels}"
+        )
+    return mean.view(channels, 1, 1), std.view(channels, 1, 1)
+
+
 class Adapter(nn.Sequential):
     """The student's tokens (K, D_student) -> the teacher's width (K, D_teacher): RADIO's adaptor head,
     LayerNorm -> Linear -> GELU -> Linear, dropped after training."""
@@ -113,10 +125,10 @@ class DistillObjective(Objective):
         self.register_buffer("teacher_mean", torch.zeros(tc.hidden_size))
         self.register_buffer("teacher_std", torch.ones(tc.hidden_size))
         # Pixels in the student's normalisation -> the teacher's: x_t = x_s * scale + shift, per channel.
-        s_mean, s_std = torch.tensor(student_processor.image_mean), torch.tensor(student_processor.image_std)
-        t_mean, t_std = torch.tensor(teacher_processor.image_mean), torch.tensor(teacher_processor.image_std)
-        self.register_buffer("pixel_scale", (s_std / t_std).view(3, 1, 1), persistent=False)
-        self.register_buffer("pixel_shift", ((s_mean - t_mean) / t_std).view(3, 1, 1), persistent=False)
+        s_mean, s_std = _channel_stats(student_processor, "student", sc.num_channels)
+        t_mean, t_std = _channel_stats(teacher_processor, "teacher", sc.num_channels)
+        self.register_buffer("pixel_scale", s_std / t_std, persistent=False)
+        self.register_buffer("pixel_shift", (s_mean - t_mean) / t_std, persistent=False)
         teacher.eval().requires_grad_(False)
         self.__dict__["teacher"] = teacher  # not a submodule: see the module docstring
 
