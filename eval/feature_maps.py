@@ -39,8 +39,7 @@ from moonvit.cli import (
     output_file,
     positive_int,
 )
-from moonvit.files import files_below, folder_problem
-from moonvit.media.image import IMAGE_EXTENSIONS, ImageInput
+from moonvit.media.image import ImageInput, images_below
 from moonvit.names import display_name
 
 from .datasets import DatasetError, load_dataset
@@ -64,12 +63,10 @@ def shown_images(spec: str, data_dir: Path | None, count: int, seed: int) -> tup
     """
     if spec.startswith(UNLABELLED_PREFIX):
         folder = Path(spec.removeprefix(UNLABELLED_PREFIX))
-        problem = folder_problem(folder)
-        if problem is not None:
-            raise DatasetError(f"image folder {folder} {problem}")
-        files, _ = files_below(folder, IMAGE_EXTENSIONS)
-        if not files:
-            raise DatasetError(f"{folder} holds no images ({' '.join(sorted(IMAGE_EXTENSIONS))}), at any depth")
+        try:
+            files = images_below(folder)
+        except ValueError as error:
+            raise DatasetError(str(error)) from error
         rows = _choose(len(files), count, seed)
         # names are text of the title and the record: a file name that is not UTF-8 is escaped
         names = [display_name(files[row].relative_to(folder).as_posix()) for row in rows]

@@ -18,8 +18,8 @@ from tqdm import tqdm
 from eval.datasets import DatasetError, Split, load_dataset
 from eval.probe import check_probe_labels
 from eval.splits import stratified_split
-from moonvit import IMAGE_EXTENSIONS, ImageLoadError, MoonViTImageProcessor, image_size
-from moonvit.files import files_below, folder_problem
+from moonvit import ImageLoadError, MoonViTImageProcessor, image_size
+from moonvit.media.image import images_below
 from moonvit.names import path_record
 
 from .batch import ImageSource
@@ -196,10 +196,8 @@ UNLABELLED_PREFIX = "images:"
 
 def _unlabelled(folder: Path) -> Split:
     """Every image file below ``folder`` as a split of one (meaningless) label."""
-    problem = folder_problem(folder)
-    if problem is not None:
-        raise DataError(f"image folder {folder} {problem}")
-    files, _ = files_below(folder, IMAGE_EXTENSIONS)
-    if not files:
-        raise DataError(f"{folder} holds no images ({' '.join(sorted(IMAGE_EXTENSIONS))}), at any depth")
+    try:
+        files = images_below(folder)
+    except ValueError as error:
+        raise DataError(str(error)) from error
     return Split(files, np.zeros(len(files), dtype=np.int64))

@@ -13,6 +13,7 @@ import threading
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -29,6 +30,7 @@ __all__ = [
     "decompression_bombs_raised",
     "image_size",
     "image_sources",
+    "images_below",
     "is_image",
     "load_image",
 ]
@@ -37,6 +39,25 @@ IMAGE_EXTENSIONS = frozenset(
     {".bmp", ".gif", ".jpeg", ".jpg", ".pbm", ".pgm", ".png", ".pnm", ".ppm", ".tif", ".tiff", ".webp"}
 )
 """File endings taken as images wherever a folder is scanned (export inputs, ImageFolder datasets)."""
+
+
+def images_below(folder: str | os.PathLike) -> list[Path]:
+    """Every image file (:data:`IMAGE_EXTENSIONS`) below ``folder``, at any depth, in
+    :func:`~moonvit.files.files_below`'s order: an unlabelled ``images:DIR`` set.
+
+    Raises:
+        ValueError: ``folder`` is not a readable folder, or holds no image (the folder named).
+    """
+    from ..files import files_below, folder_problem  # moonvit.files sits below the media package
+
+    problem = folder_problem(folder)
+    if problem is not None:
+        raise ValueError(f"image folder {folder} {problem}")
+    files, _ = files_below(folder, IMAGE_EXTENSIONS)
+    if not files:
+        raise ValueError(f"{folder} holds no images ({' '.join(sorted(IMAGE_EXTENSIONS))}), at any depth")
+    return files
+
 
 ImageInput = Image.Image | np.ndarray | torch.Tensor | str | os.PathLike
 """One image: a PIL image, an (H, W) / (H, W, C) array, a (C, H, W) / (H, W) tensor (arrays and
