@@ -39,7 +39,7 @@ from train.augment import AugmentConfig
 from train.batch import ImageSource, render_pack
 from train.objectives import MAEObjective, SupervisedObjective
 from train.optim import OptimConfig, build_optimizer, param_groups
-from train.plan import ImageStream, Packer, PlannedImage, Resolution, TokenDrop, default_lookahead
+from train.plan import ImageStream, Packer, PlannedTrainImage, Resolution, TokenDrop, default_lookahead
 
 RESULTS = Path(__file__).parent / "results" / "bench_train.txt"
 BUDGET = 4096
@@ -235,7 +235,7 @@ def checkpointing_rows(source: ImageSource, repeats: int) -> list[str]:
     ):
         torch.manual_seed(0)
         model = MoonViT(config).train()
-        items = [PlannedImage(i, 8, 8, 64, 2000 + i) for i in range(BUDGET // 64)]
+        items = [PlannedTrainImage(i, 8, 8, 64, 2000 + i) for i in range(BUDGET // 64)]
         batch = render_pack(items, source, model.config, None)
         dtype = torch.bfloat16
         figures = {}
@@ -272,8 +272,8 @@ def mae_rows(source: ImageSource, repeats: int) -> list[str]:
     model = MoonViT(preset_config("small")).train()
     config = model.config
     images = BUDGET // 64
-    whole = [PlannedImage(i, 8, 8, 64, 1000 + i) for i in range(images)]
-    masked = [PlannedImage(i, 8, 8, TokenDrop(0.75, 0.75).kept(64, 0.0), 1000 + i) for i in range(images)]
+    whole = [PlannedTrainImage(i, 8, 8, 64, 1000 + i) for i in range(images)]
+    masked = [PlannedTrainImage(i, 8, 8, TokenDrop(0.75, 0.75).kept(64, 0.0), 1000 + i) for i in range(images)]
     full_batch = render_pack(whole, source, config, None)
     mae_batch = render_pack(masked, source, config, None, full_pixels=True)
     mae = MAEObjective(config, 0.75)

@@ -9,5 +9,8 @@ Modules, one idea each:
     knn: DINO's weighted kNN classifier (cosine, exp(sim / T) votes), queries in chunks.
     logreg: scikit-learn's logistic regression, C chosen on the probe's validation cut.
     metrics: top-k, per-class recall, confusion matrices.
+    probe_run: the typed run of the command (ProbeRun: its settings, the probe's, kNN's and logreg's).
+    probe_view: one feature view of a run: features, the three classifiers and images/s.
     report: results.json, the confusion-matrix PNG, the markdown table and the CSV of runs.
+    linear_probe: the command line (parser, main, run).
 """

@@ -22,29 +22,15 @@ import torch.nn.functional as F
 
 from moonvit import MoonViT
 from moonvit.cli import add_checkpoint_argument, exit_on, output_file, positive_int
-from moonvit.model.position import resample_taps
 
 __all__ = ["position_similarity", "resampled_table", "save_position_similarity"]
 
 
 def resampled_table(encoder: MoonViT, height: int, width: int) -> torch.Tensor:
     """(height, width, D) float32: the position table as the encoder adds it to an image of a
-    height x width patch grid (its own resampling, bicubic or bilinear, as in the forward)."""
-    table = encoder.patch_embed.pos_emb
-    rows, cols = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
-    positions = torch.stack([rows.flatten(), cols.flatten()], dim=1)
-    count = height * width
-    table_height, table_width = table.weight.shape[:2]
-    taps, weights = resample_taps(
-        positions,
-        torch.full((count,), height),
-        torch.full((count,), width),
-        table_height,
-        table_width,
-        encoder.config.pos_emb_interpolation_mode,
-    )
+    height x width patch grid (:meth:`MoonViT.position_table`: its own resampling, as in the forward)."""
     with torch.no_grad():
-        return table(taps, weights).float().reshape(height, width, -1)
+        return encoder.position_table(height, width).float()
 
 
 def position_similarity(table: torch.Tensor) -> torch.Tensor:

@@ -1,22 +1,43 @@
-"""Outputs of a probe run: results.json, a confusion-matrix PNG (Pillow only), a markdown table and
-a row per feature view appended to a CSV file that collects runs."""
+"""Outputs of a probe run: results.json (:func:`probe_results`), a confusion-matrix PNG (Pillow
+only), a markdown table and a row per feature view appended to a CSV file that collects runs."""
 
 from __future__ import annotations
 
 import csv
+import dataclasses
+import datetime
 import json
+import platform
+import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import PIL
+import torch
 from PIL import Image, ImageDraw, ImageFont
+
+import moonvit
+from moonvit.cli import dtype_name
+from moonvit.names import display_name
+
+from .datasets import DEFAULT_FASHION_MNIST_DIR
+from .logreg import sklearn_version
+
+if TYPE_CHECKING:
+    from .datasets import Dataset
+    from .encoder import FrozenEncoder
+    from .probe_run import ProbeRun
 
 __all__ = [
     "ResultsCsvError",
     "append_csv_rows",
     "check_csv_header",
     "csv_columns",
+    "csv_rows",
     "markdown_table",
+    "probe_results",
     "save_confusion_png",
     "speed_line",
     "write_json",
@@ -200,3 +221,124 @@ def append_csv_rows(path: Path, columns: Sequence[str], rows: Sequence[dict[str,
         if not exists:
             writer.writeheader()
         writer.writerows(rows)
+
+
+def probe_results(
+    run: ProbeRun,
+    dataset: Dataset,
+    encoder: FrozenEncoder | None,
+    runs: list[dict[str, Any]],
+    data_warnings: Sequence[str],
+    started: float,
+) -> dict[str, Any]:
+    """results.json of ``run``: its first view's figures on top, then every view's ``runs`` entry
+    (:func:`eval.probe_view.probe_view`), the dataset, encoder, preprocessing and settings, and
+    ``interrupted_views``, the views of ``run`` that did not finish (``started``: the run's
+    ``time.perf_counter()`` before the encoder was loaded)."""
+    main_run = runs[0]
+    speed = None
+    if main_run["speed"] is not None:
+        assert encoder is not None
+        speed = {
+            **main_run["speed"],
+            "dtype": dtype_name(str(encoder.model.dtype).removeprefix("torch.")),
+            "device": run.device,
+            "threads": torch.get_num_threads(),
+            "short_side": run.resize.short_side,
+        }
+    results = {
+        "features": main_run["features"],
+        "top1": main_run["test"]["top1"],
+        **({"top5": main_run["test"]["top5"]} if "top5" in main_run["test"] else {}),
+        "mean_per_class_recall": main_run["test"]["mean_per_class_recall"],
+        "per_class_recall": main_run["test"]["per_class_recall"],
+        "chosen": main_run["chosen"],
+        "feature_dim": main_run["feature_dim"],
+        "logreg_top1": None if main_run["logreg"] is None else main_run["logreg"]["test_top1"],
+        "knn_top1": None if main_run["knn"] is None else main_run["knn"]["test_top1"],
+        "images_per_s": main_run["images_per_s"],
+        "speed": speed,
+        "runs": runs,
+        "dataset": {
+            "spec": display_name(run.dataset),  # text of the CSV too: a folder name that is not UTF-8 escaped
+            "classes": list(dataset.classes),
+            "train_size": len(dataset.train),
+            "test_size": len(dataset.test),
+            "split_rule": dataset.split_rule,
+            "data_dir": str(run.data_dir or DEFAULT_FASHION_MNIST_DIR) if run.dataset == "fashion-mnist" else None,
+        },
+        "encoder": None
+        if encoder is None
+        else {
+            "source": encoder.source,
+            "checkpoint_hash": encoder.hash,
+            "dtype": str(encoder.model.dtype),
+            "device": run.device,
+            "num_parameters": sum(p.numel() for p in encoder.model.parameters()),
+        },
+        "preprocessing": {
+            "resize": {
+                "policy": "short side to N px, Pillow bicubic, aspect kept (0 = native)",
+                "short_side": run.resize.short_side,
+            },
+            "processor": None if encoder is None else encoder.processor.to_dict(),
+            "max_patches_per_pack": run.max_patches_per_pack,
+            "standardize": "train mean / std per dimension",
+            "l2_normalize": run.probe.l2_normalize,
+        },
+        "probe": dataclasses.asdict(run.probe),
+        "knn": None
+        if run.knn is None
+        else {**dataclasses.asdict(run.knn), "metric": "cosine of L2-normalised features"},
+        "logreg": None
+        if run.logreg is None
+        else {**dataclasses.asdict(run.logreg), "solver": "scikit-learn LogisticRegression, lbfgs, multinomial"},
+        "data_warnings": data_warnings,
+        "seed": run.seed,
+        "device": run.device,
+        "threads": torch.get_num_threads(),
+        "command": run.command,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "numpy": np.__version__,
+            "pillow": PIL.__version__,
+            "moonvit": moonvit.__version__,
+            **({} if run.logreg is None else {"scikit-learn": sklearn_version()}),
+        },
+        "timings": {"total_s": time.perf_counter() - started},
+    }
+    results["results_csv"] = str(run.results_csv)
+    results["interrupted_views"] = run.views[len(runs) :]
+    return results
+
+
+def csv_rows(results: dict[str, Any], columns: list[str], knn_ks: tuple[int, ...]) -> list[dict[str, Any]]:
+    """A row of the results CSV per feature view of ``results`` (None: an empty cell; the pixels
+    baseline has no short side, dtype or images/s)."""
+    timestamp = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    encoder = results["encoder"]
+    rows = []
+    for run in results["runs"]:
+        on_encoder = run["features"] != "pixels" and encoder is not None
+        knn = run["knn"] or {"test_top1": {}}
+        row = {
+            "timestamp": timestamp,
+            "encoder": encoder["source"] if encoder is not None else "none",
+            "dataset": results["dataset"]["spec"],
+            "features": run["features"],
+            "short_side": results["preprocessing"]["resize"]["short_side"] if on_encoder else None,
+            "dtype": dtype_name(encoder["dtype"].removeprefix("torch.")) if on_encoder else None,
+            "device": results["device"],
+            "threads": results["threads"],
+            "linear_top1": _cell(run["test"]["top1"]),
+            "logreg_top1": _cell(run["logreg"]["test_top1"]) if run["logreg"] else None,
+            **{f"knn{k}_top1": _cell(knn["test_top1"].get(str(k))) for k in knn_ks},
+            "images_per_s": None if run["images_per_s"] is None else f"{run['images_per_s']:.1f}",
+        }
+        rows.append({column: row[column] for column in columns})
+    return rows
+
+
+def _cell(value: float | None) -> str | None:
+    return None if value is None else f"{value:.4f}"

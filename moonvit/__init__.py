@@ -2,7 +2,7 @@
 
 Layout, by role:
     moonvit.model    the network (config, grid metadata, position table, RoPE,
-                     attention backends, blocks, the encoder)
+                     attention backends, blocks, the encoder, the projector)
     moonvit.media    media in (image decoding, the processor, token-budget packing)
     moonvit.weights  weight formats (checkpoint folders, transformers interop)
     moonvit.encode   packs through the encoder, outputs split per image
@@ -27,6 +27,7 @@ from .model.config import PRESETS, MoonViTConfig, preset_config
 from .model.encoder import MoonViT, MoonViTOutput
 from .model.grid import PackedGrid, build_packed_grid, tokens_per_image
 from .model.interface import VisionEncoder
+from .model.projector import MoonViTProjector, ProjectorConfig
 from .weights.storage import CheckpointError
 
 __version__ = "0.1.0"
@@ -48,10 +49,12 @@ __all__ = [
     "MoonViTConfig",
     "MoonViTImageProcessor",
     "MoonViTOutput",
+    "MoonViTProjector",
     "MoonViTVideoProcessor",
     "Pack",
     "PackItem",
     "PackedGrid",
+    "ProjectorConfig",
     "VideoBatch",
     "VideoFrames",
     "VideoLoadError",

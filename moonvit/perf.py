@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .model.config import MoonViTConfig
+from .model.config import MoonViTConfig, matmul_flops
 
 __all__ = ["config_flops", "encoder_flops", "matmul_peak", "seconds"]
 
@@ -18,25 +18,17 @@ __all__ = ["config_flops", "encoder_flops", "matmul_peak", "seconds"]
 def encoder_flops(
     seqlens: Sequence[int], hidden: int, mlp: int, depth: int, patch: int = 14, attention: int | None = None
 ) -> float:
-    """Matmul FLOPs of one forward over items of ``seqlens`` packed rows each: patch embedding,
-    projections, MLP and attention (each item attends over its own rows).
-
-    ``attention`` is the attention's inner width A (Kimi K3: 1536 beside a 1024 stream; default:
-    ``hidden``): wqkv is D x 3A, wo A x D, and the scores and their product with v 4 n^2 A.
+    """Matmul FLOPs of one forward over items of ``seqlens`` packed rows each, for a tower given by its
+    sizes (``attention``: the attention's inner width, default ``hidden``); with a config at hand,
+    use :meth:`MoonViTConfig.flops <moonvit.model.config.MoonViTConfig.flops>`, which counts these.
     A training step (forward and backward) costs about 3x this.
     """
-    attn = hidden if attention is None else attention
-    patches = sum(seqlens)
-    per_block = 2 * patches * (4 * hidden * attn + 2 * hidden * mlp) + sum(4 * n**2 * attn for n in seqlens)
-    return 2 * patches * 3 * patch * patch * hidden + depth * per_block
+    return matmul_flops(seqlens, hidden, mlp, depth, patch, attention)
 
 
 def config_flops(seqlens: Sequence[int], config: MoonViTConfig, depth: int | None = None) -> float:
-    """:func:`encoder_flops` of a tower ``config`` describes (at ``depth`` blocks, default its own)."""
-    layers = config.num_hidden_layers if depth is None else depth
-    return encoder_flops(
-        seqlens, config.hidden_size, config.intermediate_size, layers, config.patch_size, config.attention_width
-    )
+    """The tower's own count, ``config.flops(seqlens, depth)`` (at ``depth`` blocks, default its own)."""
+    return config.flops(seqlens, depth)
 
 
 def seconds(fn: Callable[[], object], device: torch.device | None = None) -> float:

@@ -3,7 +3,8 @@
 - :class:`MoonViTProjector` maps the encoder's ``out.merged`` (L / 4, 4, D) to
   (L / 4, text_hidden_size): Kimi-VL's / Kimi-K2.5's projector, Kimi K3's
   ``patchmergerv2``, LocateAnything-3B's ``mlp1``, or a LLaVA-style ``mlp2x_gelu``
-  one for training from scratch.
+  one for training from scratch. The model lives in the library
+  (:mod:`moonvit.model.projector`, whose exporters need it) and is re-exported here.
 - :func:`splice_visual_tokens` (one placeholder per visual token: Kimi-VL, and
   LocateAnything-3B's ``<IMG_CONTEXT>`` from :func:`locateanything_prompt`) and
   :func:`expand_visual_tokens` (one placeholder per image) put those tokens into
@@ -13,8 +14,9 @@
   reads them back for training, and :func:`collate_visual_tokens` packs them into batches.
 """
 
+from moonvit.model.projector import PROJECTOR_TYPES, MoonViTProjector, ProjectorConfig
+
 from .dataset import VisualTokenDataset, collate_visual_tokens
-from .model import PROJECTOR_TYPES, MoonViTProjector, ProjectorConfig
 from .prompt import (
     IMG_CONTEXT_TOKEN_ID,
     expand_media_pads,

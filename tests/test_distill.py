@@ -21,7 +21,7 @@ from eval.datasets import Split
 from moonvit import MoonViT, MoonViTImageProcessor, build_packed_grid, patchify, preset_config
 from train.batch import Batch, ImageSource, render_pack
 from train.objectives.distill import ADAPTER_FILE, DistillObjective, TeacherError
-from train.plan import PlannedImage, TokenDrop
+from train.plan import PlannedTrainImage, TokenDrop
 
 DISTILL = ["--objective", "distill", "--preset", "tiny", "--dataset", "digits", "--threads", "1", "--no-progress"]
 DISTILL += ["--resolution", "56", "--batch-patches", "512", "--randaugment", "0", "0", "--evals", "1"]
@@ -49,8 +49,8 @@ def source(count: int = 12, seed: int = 0) -> ImageSource:
     return ImageSource(Split(images, np.arange(count) % 3), MoonViTImageProcessor())
 
 
-def planned_pack(ratio: float, grids=((4, 4), (6, 4), (4, 8))) -> list[PlannedImage]:
-    return [PlannedImage(i, r, c, TokenDrop(ratio).kept(r * c, 0.0), 100 + i) for i, (r, c) in enumerate(grids)]
+def planned_pack(ratio: float, grids=((4, 4), (6, 4), (4, 8))) -> list[PlannedTrainImage]:
+    return [PlannedTrainImage(i, r, c, TokenDrop(ratio).kept(r * c, 0.0), 100 + i) for i, (r, c) in enumerate(grids)]
 
 
 def objective_pair(

@@ -286,13 +286,13 @@ def test_a_checkpoint_without_a_projector_is_told_how_to_attach_one(tmp_path, ca
     assert "kimik25, f32, 35 tensors" in capsys.readouterr().out
 
 
-def test_the_dtype_choices_are_llama_cpp_s_names_in_help_errors_and_the_readme(capsys):
+def test_the_dtype_choices_are_llama_cpp_s_names_in_help_errors_and_the_docs(capsys):
     from moonvit.gguf.__main__ import build_parser
 
     help_text = build_parser().format_help()
     assert "--dtype {f32,f16,bf16}" in help_text
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert "python -m moonvit.gguf --checkpoint DIR_OR_HUB_ID --out mmproj.gguf [--dtype f32|f16|bf16]" in readme
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "export.md").read_text()
+    assert "python -m moonvit.gguf --checkpoint DIR_OR_HUB_ID --out mmproj.gguf [--dtype f32|f16|bf16]" in docs
     for spelling, name in (("f16", "f16"), ("fp16", "f16"), ("float32", "f32"), ("BF16", "bf16")):
         assert build_parser().parse_args(["--checkpoint", ".", "--out", "m.gguf", "--dtype", spelling]).dtype == name
     for refused in ("int8", "q8_0", "fp64"):

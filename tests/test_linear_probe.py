@@ -86,6 +86,27 @@ FAST = ["--min-steps", "150", "--lrs", "0.01", "0.1", "--weight-decays", "0", "1
 FAST += ["--logreg-Cs", "0.1"]  # scikit-learn's logistic regression: one C (its grid is tested in test_knn.py)
 
 
+def test_the_command_line_becomes_one_typed_run(tmp_path):
+    from eval.knn import KnnConfig
+    from eval.linear_probe import ProbeRun, build_parser
+    from eval.logreg import LogRegConfig
+
+    argv = ["--preset", "tiny", "--random-init", "--dataset", "digits", "--out", str(tmp_path / "run"), *FAST]
+    argv += ["--knn-k", "20", "10", "20", "--val-fraction", "0.2", "--seed", "3", "--no-baseline"]
+    run = ProbeRun.from_args(build_parser().parse_args(argv), argv)
+    assert run.probe == ProbeConfig(
+        learning_rates=(0.01, 0.1), weight_decays=(0.0, 1e-2), min_steps=150, val_fraction=0.2, seed=3
+    )
+    assert run.knn == KnnConfig((10, 20), val_fraction=0.2, seed=3) and run.knn_columns == (10, 20)
+    assert run.logreg == LogRegConfig(inverse_regularization=(0.1,), val_fraction=0.2, seed=3)
+    assert run.views == ["mean"] and run.threads == 2 and run.dtype is None and run.preset == "tiny"
+    assert run.cache_dir == tmp_path.resolve() / "feature-cache"
+    assert run.results_csv == tmp_path.resolve() / "probe_results.csv"
+    assert run.command == " ".join(["python -m eval.linear_probe", *argv])
+    skipped = ProbeRun.from_args(build_parser().parse_args([*argv, "--no-knn", "--no-logreg"]))
+    assert skipped.knn is None and skipped.logreg is None and skipped.knn_columns == (10, 20)  # empty CSV cells
+
+
 def test_cli_on_digits_writes_results_and_reuses_features(tmp_path, capsys):
     out = tmp_path / "run"
     args = ["--preset", "tiny", "--random-init", "--dataset", "digits", "--short-side", "56", "--out", str(out), *FAST]

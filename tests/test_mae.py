@@ -18,7 +18,7 @@ from moonvit import MoonViT, MoonViTImageProcessor, build_packed_grid, preset_co
 from moonvit.model.attention import bind_attention
 from train.batch import ImageSource, render_pack
 from train.objectives.mae import MAEObjective, patch_targets, sincos_2d
-from train.plan import PlannedImage, TokenDrop
+from train.plan import PlannedTrainImage, TokenDrop
 
 MAE = ["--objective", "mae", "--preset", "tiny", "--dataset", "digits", "--threads", "1", "--no-progress"]
 MAE += ["--resolution", "56", "--batch-patches", "512", "--randaugment", "0", "0", "--evals", "1"]
@@ -31,8 +31,8 @@ def source(count: int = 12, seed: int = 0) -> ImageSource:
     return ImageSource(Split(images, np.arange(count) % 3), MoonViTImageProcessor())
 
 
-def planned_pack(ratio: float, grids=((4, 4), (6, 4), (4, 8))) -> list[PlannedImage]:
-    return [PlannedImage(i, r, c, TokenDrop(ratio).kept(r * c, 0.0), 100 + i) for i, (r, c) in enumerate(grids)]
+def planned_pack(ratio: float, grids=((4, 4), (6, 4), (4, 8))) -> list[PlannedTrainImage]:
+    return [PlannedTrainImage(i, r, c, TokenDrop(ratio).kept(r * c, 0.0), 100 + i) for i, (r, c) in enumerate(grids)]
 
 
 def test_each_image_keeps_its_share_and_the_positions_of_its_place():

@@ -243,7 +243,7 @@ def test_bad_input_is_named(pixels, grids, error, message):
 
 
 def test_forward_needs_a_grid():
-    with pytest.raises(TypeError, match="grid_hws"):
+    with pytest.raises(TypeError, match="forward needs grid_thws"):
         tiny_model()(torch.rand(4, 3, 14, 14))
 
 

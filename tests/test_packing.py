@@ -110,9 +110,9 @@ def test_encoder_never_sees_more_than_the_budget(encoder, monkeypatch):
     seen = []
     forward = encoder.forward
 
-    def spy(pixel_values, grid_hws=None, **kwargs):
+    def spy(pixel_values, grid_thws=None, **kwargs):
         seen.append(pixel_values.shape[0])
-        return forward(pixel_values, grid_hws, **kwargs)
+        return forward(pixel_values, grid_thws, **kwargs)
 
     monkeypatch.setattr(encoder, "forward", spy)
     images = [noise(*SIZES[i % len(SIZES)], seed=i) for i in range(60)] + [noise(300, 200, 60)]

@@ -29,7 +29,7 @@ from train.augment import AugmentConfig, mix_images
 from train.batch import ImageSource, render_pack
 from train.loop import main
 from train.optim import OptimConfig, lr_factor, param_groups
-from train.plan import ImageStream, Packer, PlannedImage, Resolution, TokenDrop, default_lookahead
+from train.plan import ImageStream, Packer, PlannedTrainImage, Resolution, TokenDrop, default_lookahead
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--objective", "supervised", "--preset", "tiny", "--dataset", "digits", "--threads", "1", "--no-progress"]
@@ -113,9 +113,9 @@ def test_kept_patches_are_the_full_images_patches_with_their_positions():
     images = np.random.default_rng(0).integers(0, 256, (3, 28, 28), dtype=np.uint8)
     source = ImageSource(Split(images, np.array([0, 1, 2])), MoonViTImageProcessor())
     config = preset_config("tiny")
-    items = [PlannedImage(i, 4, 4, 16 if i == 1 else 7, seed=10 + i) for i in range(3)]
+    items = [PlannedTrainImage(i, 4, 4, 16 if i == 1 else 7, seed=10 + i) for i in range(3)]
     batch = render_pack(items, source, config, None)
-    full = render_pack([PlannedImage(i, 4, 4, 16, 10 + i) for i in range(3)], source, config, None)
+    full = render_pack([PlannedTrainImage(i, 4, 4, 16, 10 + i) for i in range(3)], source, config, None)
     full_grid = build_packed_grid([[4, 4]] * 3, config)
     rows = []
     for i, item in enumerate(items):
@@ -337,7 +337,7 @@ def test_resuming_with_other_threads_warns_records_it_and_supervised_runs_draw_n
     with pytest.warns(UserWarning, match=re.escape(message)):
         results = train(*RUN, "--steps", "6", "--save-every", "2", "--threads", "2", "--out", tmp_path)
     assert results["steps"] == 6 and results["threads"] == 2
-    assert [w for w in results["data_warnings"] if w.startswith(message)]  # recorded, as the README says
+    assert [w for w in results["data_warnings"] if w.startswith(message)]  # recorded, as docs/training.md says
     assert not (tmp_path / "pictures").exists()
 
 

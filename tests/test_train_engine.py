@@ -151,12 +151,12 @@ def test_a_minutes_run_keeps_its_calibration_when_resumed(tmp_path):
 def test_each_objective_has_its_own_betas_and_stochastic_depth():
     supervised = parse_args(["--objective", "supervised", *TINY, "--steps", "1", "--out", "x"])
     mae = parse_args(["--objective", "mae", *TINY, "--steps", "1", "--out", "x"])
-    assert (supervised.betas, supervised.drop_path) == ((0.9, 0.999), 0.05)
-    assert (mae.betas, mae.drop_path) == ((0.9, 0.95), 0.0)  # MAE's recipe
+    assert (supervised.optim.betas, supervised.model.drop_path) == ((0.9, 0.999), 0.05)
+    assert (mae.optim.betas, mae.model.drop_path) == ((0.9, 0.95), 0.0)  # MAE's recipe
     given = parse_args(["--objective", "mae", *TINY, "--steps", "1", "--out", "x", "--betas", "0.8", "0.9"])
-    assert given.betas == (0.8, 0.9)
+    assert given.optim.betas == (0.8, 0.9)
     deeper = parse_args(["--objective", "mae", *TINY, "--steps", "1", "--out", "x", "--drop-path", "0.1"])
-    assert deeper.drop_path == 0.1
+    assert deeper.model.drop_path == 0.1
 
 
 def test_the_seed_also_draws_the_head_of_a_checkpoint_run(tmp_path):

@@ -27,7 +27,7 @@ from moonvit import (
 )
 
 from .augment import AugmentConfig, Mixed, augment_image, mix_images
-from .plan import PlannedImage
+from .plan import PlannedTrainImage
 
 __all__ = ["Batch", "ImageSource", "UnreadableImageError", "kept_rows", "render_pack"]
 
@@ -145,7 +145,7 @@ def kept_rows(grid_thws: torch.Tensor, keep: Sequence[torch.Tensor]) -> torch.Te
 
 
 def render_pack(
-    items: Sequence[PlannedImage],
+    items: Sequence[PlannedTrainImage],
     source: ImageSource,
     encoder_config: MoonViTConfig,
     augment: AugmentConfig | None,

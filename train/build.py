@@ -17,7 +17,7 @@ from .config import TrainConfig
 from .data import TrainingData
 from .plan import ImageStream, Packer, Resolution, default_lookahead
 
-__all__ = ["Plan", "TrainError", "build_encoder", "build_plan", "describe", "steps_for_epochs"]
+__all__ = ["RunPlan", "TrainError", "build_encoder", "build_plan", "describe", "steps_for_epochs"]
 
 
 class TrainError(RuntimeError):
@@ -25,19 +25,8 @@ class TrainError(RuntimeError):
 
 
 def describe(config: MoonViTConfig) -> str:
-    """An encoder's shape in one line (compared on resume); K3's switches named where they are set."""
-    family = ""
-    if config.norm_type != "layernorm" or config.qkv_hidden_size is not None or not config.attn_bias:
-        family = (
-            f", attention {config.attention_width}, {config.norm_type}, "
-            f"{'biases' if config.attn_bias and config.linear_bias else 'no biases'}, "
-            f"{config.pos_emb_interpolation_mode}"
-        )
-    return (
-        f"{config.num_hidden_layers} blocks x {config.hidden_size} ({config.num_attention_heads} heads, "
-        f"MLP {config.intermediate_size}), patch {config.patch_size}, table "
-        f"{config.init_pos_emb_height}x{config.init_pos_emb_width}{family}"
-    )
+    """An encoder's shape in one line (compared on resume): :meth:`MoonViTConfig.describe`."""
+    return config.describe()
 
 
 def build_encoder(config: TrainConfig) -> tuple[MoonViT, MoonViTImageProcessor]:
@@ -47,42 +36,42 @@ def build_encoder(config: TrainConfig) -> tuple[MoonViT, MoonViTImageProcessor]:
     A preset is initialised from ``--seed``; so is, with a ``--checkpoint``, whatever the objective
     adds next (its head or decoder), since the seed is set last here either way.
     """
-    if config.checkpoint is not None:
+    if config.model.checkpoint is not None:
         try:
-            loaded = MoonViT.from_pretrained(config.checkpoint, dtype=torch.float32)
-            processor = MoonViTImageProcessor.from_pretrained(config.checkpoint)
+            loaded = MoonViT.from_pretrained(config.model.checkpoint, dtype=torch.float32)
+            processor = MoonViTImageProcessor.from_pretrained(config.model.checkpoint)
         except (CheckpointError, OSError, ValueError) as error:
-            raise TrainError(f"cannot load --checkpoint {config.checkpoint}: {error}") from error
-        encoder = MoonViT(dataclasses.replace(loaded.config, drop_path_rate=config.drop_path))
+            raise TrainError(f"cannot load --checkpoint {config.model.checkpoint}: {error}") from error
+        encoder = MoonViT(dataclasses.replace(loaded.config, drop_path_rate=config.model.drop_path))
         encoder.load_state_dict(loaded.state_dict())
-        torch.manual_seed(config.seed)  # the objective's new parameters are drawn next
+        torch.manual_seed(config.run.seed)  # the objective's new parameters are drawn next
     else:
         overrides = {
             field: value
             for field, value in (
-                ("num_hidden_layers", config.depth),
-                ("hidden_size", config.width),
-                ("num_attention_heads", config.heads),
-                ("intermediate_size", config.mlp_width),
-                ("init_pos_emb_height", config.pos_emb_size),
-                ("init_pos_emb_width", config.pos_emb_size),
+                ("num_hidden_layers", config.model.depth),
+                ("hidden_size", config.model.width),
+                ("num_attention_heads", config.model.heads),
+                ("intermediate_size", config.model.mlp_width),
+                ("init_pos_emb_height", config.model.pos_emb_size),
+                ("init_pos_emb_width", config.model.pos_emb_size),
             )
             if value is not None
         }
-        assert config.preset is not None
+        assert config.model.preset is not None
         try:
-            model_config = preset_config(config.preset, drop_path_rate=config.drop_path, **overrides)
+            model_config = preset_config(config.model.preset, drop_path_rate=config.model.drop_path, **overrides)
         except ValueError as error:
-            raise TrainError(f"--preset {config.preset} with {overrides}: {error}") from error
-        torch.manual_seed(config.seed)
-        encoder, processor = MoonViT(model_config), preset_processors(config.preset).image  # its family's rule
-    if config.grad_checkpointing:
+            raise TrainError(f"--preset {config.model.preset} with {overrides}: {error}") from error
+        torch.manual_seed(config.run.seed)
+        encoder, processor = MoonViT(model_config), preset_processors(config.model.preset).image  # its family's rule
+    if config.model.grad_checkpointing:
         encoder.gradient_checkpointing_enable()
     return encoder.train(), processor
 
 
 @dataclasses.dataclass
-class Plan:
+class RunPlan:
     """The run's plan: training sizes and packs, evaluation sizes."""
 
     resolution: Resolution
@@ -94,37 +83,37 @@ class Plan:
         return [self.eval_resolution.grid(int(w), int(h)) for w, h in source.sizes()]
 
 
-def build_plan(config: TrainConfig, encoder: MoonViTConfig, data: TrainingData, ranks: Ranks) -> Plan:
+def build_plan(config: TrainConfig, encoder: MoonViTConfig, data: TrainingData, ranks: Ranks) -> RunPlan:
     """Resolution, token drop, stream and packer; refuses a budget below one image."""
     unit = math.lcm(*encoder.merge_kernel_size)
-    common = dict(max_patches=config.batch_patches, patch_size=encoder.patch_size, unit=unit)
-    low, high = config.resolution
+    common = dict(max_patches=config.data.batch_patches, patch_size=encoder.patch_size, unit=unit)
+    low, high = config.data.resolution
     resolution = Resolution(low, high, max_grid_side=encoder.max_grid_side, **common)
     rows, cols = resolution.smallest_square()
-    least = max(config.token_drop.kept(rows * cols, 0.0), config.token_drop.kept(rows * cols, 1.0))
-    if config.batch_patches < least:
+    least = max(config.data.token_drop.kept(rows * cols, 0.0), config.data.token_drop.kept(rows * cols, 1.0))
+    if config.data.batch_patches < least:
         raise TrainError(
-            f"--batch-patches {config.batch_patches} is below one image: a {low} px image has "
+            f"--batch-patches {config.data.batch_patches} is below one image: a {low} px image has "
             f"{rows}x{cols} = {rows * cols} patches ({least} kept); use a budget of a few hundred images "
             f"(e.g. --batch-patches {256 * least}) or a smaller --resolution"
         )
-    packs_per_step = config.packs_per_step or ranks.world_size
+    packs_per_step = config.data.packs_per_step or ranks.world_size
     if packs_per_step % ranks.world_size:
         raise TrainError(
             f"--packs-per-step {packs_per_step} cannot be shared out over {ranks.world_size} ranks evenly; "
             f"use a multiple of {ranks.world_size}"
         )
-    stream = ImageStream(data.train.sizes(), resolution, config.token_drop, config.seed)
+    stream = ImageStream(data.train.sizes(), resolution, config.data.token_drop, config.run.seed)
     width, height = (int(n) for n in stream.sizes[0])
     rows, cols = resolution.grid(width, height, 0.5)
-    typical = config.token_drop.kept(rows * cols, 0.5)
-    packer = Packer(stream, config.batch_patches, default_lookahead(config.batch_patches, typical))
-    size = config.eval_resolution
+    typical = config.data.token_drop.kept(rows * cols, 0.5)
+    packer = Packer(stream, config.data.batch_patches, default_lookahead(config.data.batch_patches, typical))
+    size = config.data.eval_resolution
     eval_resolution = Resolution(size, size, max_grid_side=encoder.max_grid_side, **common)
-    return Plan(resolution, eval_resolution, packer, packs_per_step)
+    return RunPlan(resolution, eval_resolution, packer, packs_per_step)
 
 
-def steps_for_epochs(plan: Plan, epochs: float, samples: int = 100) -> int:
+def steps_for_epochs(plan: RunPlan, epochs: float, samples: int = 100) -> int:
     """Steps that show about ``epochs`` passes over the training images, from ``samples`` simulated packs
     at the schedule's mean token-drop rate."""
     probe = copy.deepcopy(plan.packer)

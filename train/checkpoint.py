@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from moonvit.files import atomic_path
+from moonvit.runs import describe_differences, differences
 
 __all__ = [
     "STATE_FORMAT",
@@ -76,10 +77,9 @@ def check_same_run(saved: dict[str, Any], now: dict[str, Any], where: Path) -> N
     Args:
         saved, now: {name: value} of the run-defining arguments and facts.
     """
-    for name in sorted(saved.keys() | now.keys()):
-        before, after = saved.get(name), now.get(name)
-        if before != after:
-            raise RunMismatch(
-                f"{where} holds a run started with {name} = {before!r}, but this command gives {after!r}; "
-                "run the original command to resume it, or choose another --out"
-            )
+    changes = differences(saved, now, absent=None)  # a setting one side lacks counts as None
+    if changes:
+        first = describe_differences(changes[:1], "{key} = {before!r}, but this command gives {after!r}")
+        raise RunMismatch(
+            f"{where} holds a run started with {first}; run the original command to resume it, or choose another --out"
+        )

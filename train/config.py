@@ -38,10 +38,23 @@ from moonvit.cli import (
     probability,
 )
 
+from .augment import AugmentConfig
 from .objectives import OBJECTIVES
+from .optim import OptimConfig
 from .plan import TokenDrop
 
-__all__ = ["NOT_RUN_DEFINING", "SMOKE", "TrainConfig", "build_parser", "parse_args", "run_defining"]
+__all__ = [
+    "NOT_RUN_DEFINING",
+    "SMOKE",
+    "DataSection",
+    "ModelSection",
+    "RunSection",
+    "RuntimeSection",
+    "TrainConfig",
+    "build_parser",
+    "parse_args",
+    "run_defining",
+]
 
 NOT_RUN_DEFINING = frozenset(
     {
@@ -64,24 +77,22 @@ SMOKE = {"steps": 30, "eval_limit": 256, "evals": 2}
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """One training run, as the command line describes it (typed; see ``python -m train --help``).
-
-    ``steps`` / ``epochs`` / ``minutes``: exactly one is set (the run's length).
-    ``resolution``: (min, max) short side in px; ``eval_limit``: at most this many validation and
-    test images (``--smoke``). ``objective_options``: the objective's own options, its
-    :attr:`~train.objectives.Objective.Options` dataclass.
-    """
+class RunSection:
+    """What is trained and for how long: ``steps`` / ``epochs`` / ``minutes``, exactly one set."""
 
     objective: str
     out: Path
-    dataset: str
     steps: int | None = None
     epochs: float | None = None
     minutes: float | None = None
     seed: int = 0
     smoke: bool = False
-    # model
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """The encoder: a ``preset`` (its shape overridable) or a ``checkpoint``."""
+
     preset: str | None = None
     checkpoint: str | None = None
     depth: int | None = None
@@ -91,7 +102,14 @@ class TrainConfig:
     pos_emb_size: int | None = None
     drop_path: float = 0.05
     grad_checkpointing: bool = False
-    # data
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """The images and their packing. ``resolution``: (min, max) short side in px; ``eval_limit``: at
+    most this many validation and test images (``--smoke``)."""
+
+    dataset: str
     data_dir: Path | None = None
     skip_bad_images: bool = False
     probe_dataset: str | None = None
@@ -102,36 +120,80 @@ class TrainConfig:
     packs_per_step: int | None = None
     token_drop: TokenDrop = dataclasses.field(default_factory=TokenDrop)
     eval_limit: int | None = None
-    # augmentation
-    randaugment: tuple[float, float] = (2.0, 9.0)
-    hflip: float = 0.5
-    crop_scale: float = 1.0
-    mixup: float = 0.0
-    cutmix: float = 0.0
-    mix_prob: float = 1.0
-    # optimisation
-    lr: float = 2e-3
-    head_lr: float | None = None
-    min_lr_ratio: float = 0.01
-    warmup: float = 0.05
-    weight_decay: float = 0.05
-    betas: tuple[float, float] = (0.9, 0.999)
-    layer_decay: float = 1.0
-    clip_grad: float = 1.0
+
+
+@dataclass(frozen=True)
+class RuntimeSection:
+    """How the steps are computed and watched: none of it changes what is trained but ``dtype`` and
+    ``fsdp`` (see :data:`NOT_RUN_DEFINING`)."""
+
+    device: str = "cpu"
     dtype: str = "bf16"
     fsdp: bool = False
-    # runtime
-    device: str = "cpu"
     threads: int | None = None
     workers: int = 0
     save_every: int = 200
     evals: int = 10
     progress: bool = True
     peak_tflops: float | None = None
-    objective_options: Any = None
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run, as the command line describes it (typed; see ``python -m train --help``), in
+    sections: ``run``, ``model``, ``data``, ``augment`` (:class:`~train.augment.AugmentConfig`),
+    ``optim`` (:class:`~train.optim.OptimConfig`), ``runtime``, and ``options``: the objective's own
+    options, its :attr:`~train.objectives.Objective.Options` dataclass. :meth:`flat` gives every
+    setting by its flag's name (what ``results.json`` records and the resume check compares).
+    """
+
+    run: RunSection
+    model: ModelSection
+    data: DataSection
+    augment: AugmentConfig = dataclasses.field(default_factory=AugmentConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(2e-3, None, 0.05, 1.0))
+    runtime: RuntimeSection = dataclasses.field(default_factory=RuntimeSection)
+    options: Any = None
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting by its flag's ``dest`` (``--head-lr``: ``head_lr``), in the command line's order;
+        the objective's options as one value, ``objective_options``."""
+        run, data, augment, optim, runtime = self.run, self.data, self.augment, self.optim, self.runtime
+        return {
+            "objective": run.objective,
+            "out": run.out,
+            "dataset": data.dataset,
+            "steps": run.steps,
+            "epochs": run.epochs,
+            "minutes": run.minutes,
+            "seed": run.seed,
+            "smoke": run.smoke,
+            **{f.name: getattr(self.model, f.name) for f in dataclasses.fields(self.model)},
+            **{f.name: getattr(data, f.name) for f in dataclasses.fields(data) if f.name != "dataset"},
+            "randaugment": (float(augment.randaugment_ops), augment.randaugment_magnitude),
+            "hflip": augment.hflip,
+            "crop_scale": augment.crop_scale,
+            "mixup": augment.mixup,
+            "cutmix": augment.cutmix,
+            "mix_prob": augment.mix_prob,
+            "lr": optim.lr,
+            "head_lr": optim.head_lr,
+            "min_lr_ratio": optim.min_lr_ratio,
+            "warmup": optim.warmup,
+            "weight_decay": optim.weight_decay,
+            "betas": optim.betas,
+            "layer_decay": optim.layer_decay,
+            "clip_grad": optim.clip_grad,
+            "dtype": runtime.dtype,
+            "fsdp": runtime.fsdp,
+            **{
+                f.name: getattr(runtime, f.name) for f in dataclasses.fields(runtime) if f.name not in ("dtype", "fsdp")
+            },
+            "objective_options": self.options,
+        }
 
 
 def token_drop(text: str) -> TokenDrop:
@@ -364,21 +426,30 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     if steps is None and args.epochs is None and args.minutes is None:
         parser.error("give the run's length: --steps, --epochs or --minutes (or --smoke)")
     objective = OBJECTIVES[args.objective]
-    engine = {f.name for f in dataclasses.fields(TrainConfig)}
-    values = {name: value for name, value in vars(args).items() if name in engine}
+
+    def section(cls: type, **values: Any) -> Any:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name not in values}, **values)
+
     config = TrainConfig(
-        **{
-            **values,
-            "steps": steps,
-            "evals": evals,
-            "eval_limit": eval_limit,
-            "resolution": (low, high),
-            "eval_resolution": args.eval_resolution or high,
-            "randaugment": (float(ops), float(magnitude)),
-            "drop_path": objective.default_drop_path if args.drop_path is None else args.drop_path,
-            "betas": objective.default_betas if args.betas is None else tuple(args.betas),
-            "objective_options": objective.options_from(args),
-        }
+        run=section(RunSection, steps=steps),
+        model=section(
+            ModelSection, drop_path=objective.default_drop_path if args.drop_path is None else args.drop_path
+        ),
+        data=section(
+            DataSection, resolution=(low, high), eval_resolution=args.eval_resolution or high, eval_limit=eval_limit
+        ),
+        augment=AugmentConfig(
+            crop_scale=args.crop_scale,
+            hflip=args.hflip,
+            randaugment_ops=int(ops),
+            randaugment_magnitude=float(magnitude),
+            mixup=args.mixup,
+            cutmix=args.cutmix,
+            mix_prob=args.mix_prob,
+        ),
+        optim=section(OptimConfig, betas=objective.default_betas if args.betas is None else tuple(args.betas)),
+        runtime=section(RuntimeSection, evals=evals),
+        options=objective.options_from(args),
     )
     return objective.check_config(config, parser.error)
 
@@ -405,8 +476,8 @@ def _other_objectives_flags(parser: argparse.ArgumentParser, args: argparse.Name
 def run_defining(config: TrainConfig) -> dict[str, Any]:
     """The settings that define the run, by flag, as plain values (the resume check compares these)."""
     values: dict[str, Any] = {}
-    options = config.objective_options
-    pairs = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
+    options = config.options
+    pairs = list(config.flat().items())
     if dataclasses.is_dataclass(options):
         pairs += [(f.name, getattr(options, f.name)) for f in dataclasses.fields(options)]
     for name, value in pairs:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .batch import Batch, ImageSource, render_pack
-from .plan import PlannedImage, eval_packs
+from .plan import PlannedTrainImage, eval_packs
 from .trainer import Trainer
 
 __all__ = ["calibrate", "draw", "evaluate", "validate"]
@@ -24,7 +24,7 @@ def evaluate(
     with ``outputs``, also the per-image outputs in source order (on every rank)."""
     parallel, ranks, objective = trainer.parallel, trainer.ranks, trainer.objective
     grids = trainer.plan.eval_grids(source)
-    packs = eval_packs(grids, trainer.config.batch_patches)
+    packs = eval_packs(grids, trainer.config.data.batch_patches)
     sums: dict[str, torch.Tensor] = {}
     mine: list[tuple[list[int], torch.Tensor]] = []
     parallel.module.eval()
@@ -36,7 +36,7 @@ def evaluate(
             if j >= len(packs) and not parallel.fsdp:
                 break
             pack = packs[j] if j < len(packs) else packs[0]
-            items = [PlannedImage(i, *grids[i], grids[i][0] * grids[i][1], 0) for i in pack]
+            items = [PlannedTrainImage(i, *grids[i], grids[i][0] * grids[i][1], 0) for i in pack]
             batch = render_pack(
                 items, source, trainer.encoder.config, None, full_pixels=objective.needs_full_pixels
             ).to(trainer.device)
@@ -72,8 +72,8 @@ def calibrate(trainer: Trainer) -> dict[str, Any]:
     grids = trainer.plan.eval_grids(source)
 
     def batches() -> Iterator[Batch]:
-        for pack in eval_packs(grids, trainer.config.batch_patches):
-            items = [PlannedImage(i, *grids[i], grids[i][0] * grids[i][1], 0) for i in pack]
+        for pack in eval_packs(grids, trainer.config.data.batch_patches):
+            items = [PlannedTrainImage(i, *grids[i], grids[i][0] * grids[i][1], 0) for i in pack]
             yield render_pack(items, source, trainer.encoder.config, None, full_pixels=True).to(trainer.device)
 
     with torch.no_grad(), trainer.autocast():
@@ -84,7 +84,7 @@ def validate(trainer: Trainer) -> dict[str, Any]:
     """The validation record at this step (and the objective's picture, where it draws)."""
     start = time.perf_counter()
     means, _ = evaluate(trainer, trainer.data.val)
-    draw(trainer, trainer.config.out / "pictures" / f"step-{trainer.step:06d}.png")
+    draw(trainer, trainer.config.run.out / "pictures" / f"step-{trainer.step:06d}.png")
     trainer.elapsed_s += time.perf_counter() - start
     return {"kind": "val", "step": trainer.step, "loss": means["loss"], **trainer.objective.metrics(means)}
 
@@ -95,7 +95,7 @@ def draw(trainer: Trainer, path: Path, count: int = 8) -> bool:
         return False  # sharded weights: every rank would have to run it
     source = trainer.data.val
     grids = trainer.plan.eval_grids(source)[:count]
-    items = [PlannedImage(i, *grid, grid[0] * grid[1], 0) for i, grid in enumerate(grids)]
+    items = [PlannedTrainImage(i, *grid, grid[0] * grid[1], 0) for i, grid in enumerate(grids)]
     batch = render_pack(items, source, trainer.encoder.config, None, full_pixels=trainer.objective.needs_full_pixels)
     trainer.parallel.module.eval()
     try:

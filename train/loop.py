@@ -63,7 +63,7 @@ def calibrate_steps(trainer: Trainer, minutes: float) -> tuple[int, dict[str, fl
     val_s = time.perf_counter() - start
     measured = trainer.ranks.max(torch.tensor([float(np.median(times)), val_s], dtype=torch.float64))
     step_s, val_s = float(measured[0]), float(measured[1])
-    budget_s = minutes * 60 - trainer.config.evals * val_s
+    budget_s = minutes * 60 - trainer.config.runtime.evals * val_s
     steps = max(1, int(budget_s / (step_s * 1.03)))  # 3%: the optimizer step and logging
     return int(trainer.ranks.from_main(steps)), {"step_s": step_s, "val_s": val_s}
 
@@ -72,34 +72,34 @@ def save(trainer: Trainer, identity: dict[str, Any]) -> None:
     """Write the trainer's state (every rank takes part in gathering it; the main rank writes it)."""
     state = trainer.state_dict()
     if trainer.ranks.is_main:
-        args = {k: str(v) for k, v in vars(trainer.config).items()}
-        save_state(state_path(trainer.config.out), {"run": identity, "args": args, **state})
+        args = {k: str(v) for k, v in trainer.config.flat().items()}
+        save_state(state_path(trainer.config.run.out), {"run": identity, "args": args, **state})
     trainer.ranks.barrier()
     trainer.saved_step = trainer.step
 
 
 def run(config: TrainConfig, ranks: Ranks, device: torch.device) -> dict[str, Any]:
-    out = config.out
+    out = config.run.out
     out.mkdir(parents=True, exist_ok=True)
-    objective_class = OBJECTIVES[config.objective]
+    objective_class = OBJECTIVES[config.run.objective]
     encoder, processor = build_encoder(config)
     data = load_training_data(
-        config.dataset,
-        config.data_dir,
-        config.val_fraction,
-        config.seed,
+        config.data.dataset,
+        config.data.data_dir,
+        config.data.val_fraction,
+        config.run.seed,
         processor,
-        config.eval_limit,
-        skip_bad=config.skip_bad_images,
-        progress=config.progress and ranks.is_main,
+        config.data.eval_limit,
+        skip_bad=config.data.skip_bad_images,
+        progress=config.runtime.progress and ranks.is_main,
         labelled=objective_class.needs_labels,
     )
-    if config.probe_dataset is not None:
+    if config.data.probe_dataset is not None:
         _check_probe_dataset(config)
     if ranks.is_main:
         for message in data.warnings:
             warnings.warn(message, stacklevel=1)
-        if device.type == "cpu" and config.dtype == "bf16" and not cpu_has_bf16_arithmetic():
+        if device.type == "cpu" and config.runtime.dtype == "bf16" and not cpu_has_bf16_arithmetic():
             warnings.warn(
                 "--dtype bf16 on a CPU without bf16 arithmetic (no AVX512-BF16 or AMX): autocast's bf16 matmuls "
                 "are emulated here, several times slower than --dtype fp32",
@@ -132,18 +132,18 @@ def run(config: TrainConfig, ranks: Ranks, device: torch.device) -> dict[str, An
         summary = calibrate(trainer)  # a resumed run restores what it set, with the objective's state
         if ranks.is_main:
             described = ", ".join(f"{k} {v:g}" for k, v in summary.items())
-            print(f"{config.objective}: calibrated on {described}", flush=True)
+            print(f"{config.run.objective}: calibrated on {described}", flush=True)
 
     calibration: dict[str, float] = {}
     if saved is not None:
         total = saved["total_steps"]
-    elif config.steps is not None:
-        total = config.steps
-    elif config.epochs is not None:
-        total = steps_for_epochs(plan, config.epochs)
+    elif config.run.steps is not None:
+        total = config.run.steps
+    elif config.run.epochs is not None:
+        total = steps_for_epochs(plan, config.run.epochs)
     else:
-        assert config.minutes is not None
-        total, calibration = calibrate_steps(trainer, config.minutes)
+        assert config.run.minutes is not None
+        total, calibration = calibrate_steps(trainer, config.run.minutes)
     trainer.start(total)
     if saved is not None:
         trainer.load_state_dict(saved)
@@ -161,12 +161,20 @@ def run(config: TrainConfig, ranks: Ranks, device: torch.device) -> dict[str, An
 
     peak = _peak_flops(config, device) * ranks.world_size
     log = MetricsLog(out / "metrics.jsonl", trainer.step, enabled=ranks.is_main)
-    eval_steps = {round(total * (k + 1) / config.evals) for k in range(config.evals)} if config.evals else set()
+    eval_steps = (
+        {round(total * (k + 1) / config.runtime.evals) for k in range(config.runtime.evals)}
+        if config.runtime.evals
+        else set()
+    )
     bar = tqdm(
-        total=total, initial=trainer.step, desc="train", unit="step", disable=not (ranks.is_main and config.progress)
+        total=total,
+        initial=trainer.step,
+        desc="train",
+        unit="step",
+        disable=not (ranks.is_main and config.runtime.progress),
     )
     smoothed: dict[str, float] = {}
-    feed = StepFeed(trainer, total, config.workers)
+    feed = StepFeed(trainer, total, config.runtime.workers)
     try:
         while trainer.step < total:
             packs, plan_state, rendered = feed.next(trainer.step)
@@ -189,7 +197,7 @@ def run(config: TrainConfig, ranks: Ranks, device: torch.device) -> dict[str, An
                 log.write(validation)
                 if ranks.is_main:
                     bar.write(f"step {trainer.step}: validation " + _summary(validation))
-            if trainer.step == total or (config.save_every and trainer.step % config.save_every == 0):
+            if trainer.step == total or (config.runtime.save_every and trainer.step % config.runtime.save_every == 0):
                 save(trainer, identity)
     except KeyboardInterrupt:
         raise Interrupted(_interrupted_message(out, trainer)) from None
@@ -244,11 +252,11 @@ def _threads_warning(saved: dict[str, Any]) -> str | None:
 
 def _check_probe_dataset(config: TrainConfig) -> None:
     """Refuse a ``--probe-dataset`` that cannot be probed before any training."""
-    spec = config.probe_dataset or ""
+    spec = config.data.probe_dataset or ""
     if spec.startswith(UNLABELLED_PREFIX):
         raise DataError(f"--probe-dataset {spec}: a linear probe needs labels (imagefolder:DIR, digits, ...)")
     try:
-        load_dataset(spec, config.data_dir, seed=config.seed)
+        load_dataset(spec, config.data.data_dir, seed=config.run.seed)
     except DatasetError as error:
         raise DataError(f"--probe-dataset {spec}: {error}") from error
 
@@ -259,9 +267,9 @@ def _summary(record: dict[str, Any]) -> str:
 
 def _peak_flops(config: TrainConfig, device: torch.device) -> float:
     """FLOP/s of one process's matmuls in the autocast dtype: given, or measured now."""
-    if config.peak_tflops:
-        return config.peak_tflops * 1e12
-    return matmul_peak(torch_dtype(config.dtype), 2048 if device.type == "cpu" else 8192, 3, device)
+    if config.runtime.peak_tflops:
+        return config.runtime.peak_tflops * 1e12
+    return matmul_peak(torch_dtype(config.runtime.dtype), 2048 if device.type == "cpu" else 8192, 3, device)
 
 
 def probe(config: TrainConfig) -> dict[str, Any]:
@@ -269,18 +277,25 @@ def probe(config: TrainConfig) -> dict[str, Any]:
     ``<out>/probe`` (the figures it prints, also in results.json)."""
     from eval.linear_probe import main as probe_main
 
-    argv = ["--checkpoint", str(config.out / "checkpoint"), "--dataset", str(config.probe_dataset)]
-    argv += ["--out", str(config.out / "probe"), "--short-side", str(config.eval_resolution), "--no-baseline"]
-    argv += ["--threads", str(torch.get_num_threads()), "--device", config.device, "--seed", str(config.seed)]
-    if config.data_dir is not None:
-        argv += ["--data-dir", str(config.data_dir)]
+    argv = ["--checkpoint", str(config.run.out / "checkpoint"), "--dataset", str(config.data.probe_dataset)]
+    argv += ["--out", str(config.run.out / "probe"), "--short-side", str(config.data.eval_resolution), "--no-baseline"]
+    argv += [
+        "--threads",
+        str(torch.get_num_threads()),
+        "--device",
+        config.runtime.device,
+        "--seed",
+        str(config.run.seed),
+    ]
+    if config.data.data_dir is not None:
+        argv += ["--data-dir", str(config.data.data_dir)]
     result = probe_main(argv)
-    return {"dataset": config.probe_dataset, "top1": result["top1"], "results": "probe/results.json"}
+    return {"dataset": config.data.probe_dataset, "top1": result["top1"], "results": "probe/results.json"}
 
 
 def finish(trainer: Trainer) -> dict[str, Any]:
     """Export, score the test split once (where there is one), probe, write results.json and the curves."""
-    config, out, ranks, data = trainer.config, trainer.config.out, trainer.ranks, trainer.data
+    config, out, ranks, data = trainer.config, trainer.config.run.out, trainer.ranks, trainer.data
     files = trainer.export()
     if draw(trainer, out / "pictures.png"):
         files.append("pictures.png")
@@ -296,11 +311,11 @@ def finish(trainer: Trainer) -> dict[str, Any]:
     steps = [r for r in records if r["kind"] == "train"]
     timed = steps[min(5, len(steps) - 1) :] if steps else []
     results = {
-        "objective": config.objective,
+        "objective": config.run.objective,
         "dataset": data.name,
         "test": test,
         "val": {"loss": val["loss"], **trainer.objective.metrics(val)},
-        "probe": probe(config) if config.probe_dataset is not None else None,
+        "probe": probe(config) if config.data.probe_dataset is not None else None,
         "steps": trainer.step,
         "images_seen": trainer.images_seen,
         "epochs": trainer.images_seen / len(data.train),
@@ -327,12 +342,12 @@ def finish(trainer: Trainer) -> dict[str, Any]:
         "skipped_images": [image.record() for image in data.skipped],
         "threads": torch.get_num_threads(),
         "world_size": ranks.world_size,
-        "args": {k: str(v) for k, v in vars(config).items()},
+        "args": {k: str(v) for k, v in config.flat().items()},
         "command": " ".join(["python -m train", *sys.argv[1:]]),
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "moonvit": moonvit.__version__},
     }
     metric = next(iter(trainer.objective.metrics(val)), None)  # top1, cosine; MAE reports none
-    plot_curves(out / "metrics.jsonl", out / "curves.png", f"{config.objective} on {data.name}", metric)
+    plot_curves(out / "metrics.jsonl", out / "curves.png", f"{config.run.objective} on {data.name}", metric)
     write_text_atomic(out / "results.json", json.dumps(results, indent=2, default=str) + "\n")
     label, shown = ("test", test) if test is not None else ("validation", {"loss": val["loss"]})
     print(f"{label}: " + _summary({k: v for k, v in shown.items() if isinstance(v, float)}))
@@ -341,10 +356,10 @@ def finish(trainer: Trainer) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = parse_args(argv)
-    apply_threads(config.threads)
-    ranks, device = init_ranks(config.device)
+    apply_threads(config.runtime.threads)
+    ranks, device = init_ranks(config.runtime.device)
     try:
-        with one_line_warnings(), interruptible(config.out):
+        with one_line_warnings(), interruptible(config.run.out):
             return run(config, ranks, device)
     except (DataError, RunMismatch, TrainError, UnreadableImageError) as error:
         raise SystemExit(f"error: {error}") from error

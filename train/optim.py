@@ -26,11 +26,26 @@ NO_DECAY_NAMES = ("pos_emb.weight",)
 
 @dataclass(frozen=True)
 class OptimConfig:
+    """The optimisation recipe (``python -m train``'s optimisation flags, same names).
+
+    ``head_lr``: peak rate of the objective's own parameters (None: ``lr``, see :attr:`objective_lr`);
+    ``warmup``: linear warmup share of the steps; ``min_lr_ratio``: final rate / peak rate;
+    ``clip_grad``: gradient norm clip (0: off).
+    """
+
     lr: float
-    head_lr: float
+    head_lr: float | None
     weight_decay: float
     layer_decay: float
     betas: tuple[float, float] = (0.9, 0.999)
+    min_lr_ratio: float = 0.01
+    warmup: float = 0.05
+    clip_grad: float = 1.0
+
+    @property
+    def objective_lr(self) -> float:
+        """The objective's peak rate: ``head_lr``, else ``lr``."""
+        return self.lr if self.head_lr is None else self.head_lr
 
 
 def encoder_depth(name: str, num_layers: int) -> int:
@@ -66,7 +81,7 @@ def param_groups(encoder: MoonViT, objective: nn.Module, config: OptimConfig) ->
             add(param, name, config.lr * config.layer_decay ** (num_layers + 1 - depth), "encoder", depth)
     for name, param in objective.named_parameters():
         if param.requires_grad:
-            add(param, name, config.head_lr, "objective", 0)
+            add(param, name, config.objective_lr, "objective", 0)
     return list(groups.values())
 
 

@@ -24,9 +24,9 @@ import numpy as np
 
 __all__ = [
     "ImageStream",
-    "Pack",
     "Packer",
-    "PlannedImage",
+    "PlannedPack",
+    "PlannedTrainImage",
     "Resolution",
     "TokenDrop",
     "derive_seed",
@@ -123,7 +123,7 @@ class TokenDrop:
 
 
 @dataclass(frozen=True)
-class PlannedImage:
+class PlannedTrainImage:
     """One training image of the plan.
 
     Attributes:
@@ -145,7 +145,7 @@ class PlannedImage:
         return self.rows * self.cols
 
 
-Pack = tuple[PlannedImage, ...]
+PlannedPack = tuple[PlannedTrainImage, ...]
 """Images fed to the encoder in one forward; their kept patches add up to at most the budget."""
 
 
@@ -180,13 +180,13 @@ class ImageStream:
             self._cached = (self.epoch, order, rng.random(count), rng.integers(0, 2**63 - 1, count))
         return self._cached[1:]
 
-    def draw(self, progress: float) -> PlannedImage:
+    def draw(self, progress: float) -> PlannedTrainImage:
         """The next image; ``progress`` in [0, 1] of the run sets its token-drop rate."""
         order, draws, seeds = self._epoch_draws()
         index = int(order[self.cursor])
         width, height = (int(n) for n in self.sizes[index])
         rows, cols = self.resolution.grid(width, height, float(draws[self.cursor]))
-        image = PlannedImage(index, rows, cols, self.drop.kept(rows * cols, progress), int(seeds[self.cursor]))
+        image = PlannedTrainImage(index, rows, cols, self.drop.kept(rows * cols, progress), int(seeds[self.cursor]))
         self.cursor += 1
         self.drawn += 1
         if self.cursor == len(self.sizes):
@@ -219,9 +219,9 @@ class Packer:
         self.stream = stream
         self.budget = budget
         self.lookahead = lookahead
-        self.buffer: list[PlannedImage] = []
+        self.buffer: list[PlannedTrainImage] = []
 
-    def next_pack(self, progress: float) -> Pack:
+    def next_pack(self, progress: float) -> PlannedPack:
         """The next pack; images drawn now get the token-drop rate at ``progress``."""
         while len(self.buffer) < self.lookahead:
             self.buffer.append(self.stream.draw(progress))
@@ -265,7 +265,7 @@ class Packer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stream.load_state_dict(state["stream"])
-        self.buffer = [PlannedImage(*map(int, entry)) for entry in state["buffer"]]
+        self.buffer = [PlannedTrainImage(*map(int, entry)) for entry in state["buffer"]]
 
 
 def default_lookahead(budget: int, typical_kept: float) -> int:

@@ -26,18 +26,16 @@ from moonvit import MoonViT, MoonViTImageProcessor
 from moonvit.cli import torch_dtype
 from moonvit.distributed import Ranks
 from moonvit.media.presets import video_processor_of
-from moonvit.perf import config_flops
 
-from .augment import AugmentConfig
 from .batch import Batch, render_pack
-from .build import Plan, TrainError
+from .build import RunPlan, TrainError
 from .checkpoint import rng_states, set_rng_states
 from .config import TrainConfig
 from .data import TrainingData
 from .objectives import Objective
-from .optim import OptimConfig, build_optimizer, build_schedule, param_groups
+from .optim import build_optimizer, build_schedule, param_groups
 from .parallel import Parallel, TrainModule
-from .plan import Pack, derive_seed
+from .plan import PlannedPack, derive_seed
 
 __all__ = ["MIX_SEED", "TORCH_SEED", "StepFeed", "Trainer"]
 
@@ -57,24 +55,13 @@ class Trainer:
         processor: MoonViTImageProcessor,
         objective: Objective,
         data: TrainingData,
-        plan: Plan,
+        plan: RunPlan,
     ) -> None:
         self.config, self.ranks, self.device = config, ranks, device
         self.encoder, self.processor, self.objective = encoder, processor, objective
         self.data, self.plan = data, plan
-        self.parallel = Parallel(TrainModule(encoder, objective).to(device), ranks, device, config.fsdp)
-        self.autocast_dtype = torch_dtype(config.dtype)
-        self.augment = AugmentConfig(
-            crop_scale=config.crop_scale,
-            hflip=config.hflip,
-            randaugment_ops=int(config.randaugment[0]),
-            randaugment_magnitude=config.randaugment[1],
-            mixup=config.mixup,
-            cutmix=config.cutmix,
-            mix_prob=config.mix_prob,
-        )
-        head_lr = config.lr if config.head_lr is None else config.head_lr
-        self.optim_config = OptimConfig(config.lr, head_lr, config.weight_decay, config.layer_decay, config.betas)
+        self.parallel = Parallel(TrainModule(encoder, objective).to(device), ranks, device, config.runtime.fsdp)
+        self.autocast_dtype = torch_dtype(config.runtime.dtype)
         self.step = 0
         self.total = 0
         self.images_seen = 0
@@ -91,13 +78,12 @@ class Trainer:
     def start(self, total: int) -> None:
         """Optimizer and schedule for ``total`` steps."""
         self.total = total
-        self.optimizer = build_optimizer(
-            param_groups(self.encoder, self.objective, self.optim_config), self.optim_config, self.device
-        )
-        warmup = max(1, round(self.config.warmup * total))
-        self.schedule = build_schedule(self.optimizer, total, warmup, self.config.min_lr_ratio)
+        optim = self.config.optim
+        self.optimizer = build_optimizer(param_groups(self.encoder, self.objective, optim), optim, self.device)
+        warmup = max(1, round(optim.warmup * total))
+        self.schedule = build_schedule(self.optimizer, total, warmup, optim.min_lr_ratio)
 
-    def my_share(self, packs: Sequence[Pack]) -> list[tuple[int, Pack]]:
+    def my_share(self, packs: Sequence[PlannedPack]) -> list[tuple[int, PlannedPack]]:
         """(index in the step, pack) of the packs this rank runs."""
         return [(j, packs[j]) for j in range(self.ranks.rank, len(packs), self.ranks.world_size)]
 
@@ -142,19 +128,21 @@ class Trainer:
 
     # ---- one step -----------------------------------------------------------------------------
 
-    def render(self, step: int, packs: Sequence[Pack]) -> list[Batch]:
+    def render(self, step: int, packs: Sequence[PlannedPack]) -> list[Batch]:
         """This rank's packs of step ``step`` rendered on the CPU (decode, resize, augment, mix,
         patchify, drop): a function of the step and the packs alone, so a :class:`StepFeed` worker
         may call it ahead of the step."""
         batches = []
         for j, pack in self.my_share(packs):
-            mix_rng = np.random.default_rng(derive_seed(self.config.seed, MIX_SEED, step, j))
+            mix_rng = np.random.default_rng(derive_seed(self.config.run.seed, MIX_SEED, step, j))
             needs_full = self.objective.needs_full_pixels
-            batches.append(render_pack(pack, self.data.train, self.encoder.config, self.augment, mix_rng, needs_full))
+            batches.append(
+                render_pack(pack, self.data.train, self.encoder.config, self.config.augment, mix_rng, needs_full)
+            )
         return batches
 
     def forward_backward(
-        self, step: int, packs: Sequence[Pack], rendered: Future[list[Batch]] | None = None
+        self, step: int, packs: Sequence[PlannedPack], rendered: Future[list[Batch]] | None = None
     ) -> tuple[dict[str, float], float]:
         """Run and backpropagate this rank's packs of a step, rendered now or by ``rendered`` (ahead,
         in a :class:`StepFeed` worker); returns the step's summed statistics over every rank (loss,
@@ -167,7 +155,7 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         for position, ((j, _), cpu_batch) in enumerate(zip(self.my_share(packs), batches)):
             batch = cpu_batch.to(self.device)
-            torch.manual_seed(derive_seed(self.config.seed, TORCH_SEED, step, j))
+            torch.manual_seed(derive_seed(self.config.run.seed, TORCH_SEED, step, j))
             with self.parallel.gradient_sync(position == len(batches) - 1):
                 with self.autocast():
                     output = self.parallel(batch)
@@ -181,7 +169,7 @@ class Trainer:
         return {name: float(total) / units for name, total in zip(names, totals)}, render_s
 
     def train_step(
-        self, packs: Sequence[Pack], rendered: Future[list[Batch]] | None = None, plan_state: Any = None
+        self, packs: Sequence[PlannedPack], rendered: Future[list[Batch]] | None = None, plan_state: Any = None
     ) -> dict[str, Any]:
         """One optimizer step on a step's packs; returns its log record. ``rendered`` and
         ``plan_state`` come from a :class:`StepFeed` that draws and renders ahead: the batches, and
@@ -192,7 +180,7 @@ class Trainer:
         lr = max(group["lr"] for group in self.optimizer.param_groups)
         stats, render_s = self.forward_backward(self.step, packs, rendered)
         params = [p for p in self.parallel.module.parameters() if p.grad is not None]
-        clip = self.config.clip_grad if self.config.clip_grad > 0 else float("inf")
+        clip = self.config.optim.clip_grad if self.config.optim.clip_grad > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
         if not (math.isfinite(stats["loss"]) and math.isfinite(grad_norm)):
             raise TrainError(self._non_finite_message(stats["loss"], grad_norm))
@@ -206,7 +194,7 @@ class Trainer:
         images = sum(len(pack) for pack in packs)
         patches = sum(item.kept for pack in packs for item in pack)
         self.images_seen += images
-        flops = 3 * sum(config_flops([item.kept for item in pack], self.encoder.config) for pack in packs)
+        flops = 3 * sum(self.encoder.config.flops([item.kept for item in pack]) for pack in packs)
         return {
             "kind": "train",
             "step": self.step,
@@ -217,8 +205,8 @@ class Trainer:
             "grad_norm": grad_norm,
             "images": images,
             "patches": patches,
-            "utilisation": patches / (len(packs) * self.config.batch_patches),
-            "token_drop": self.config.token_drop.rate(max(self.step - 1, 0) / self.total),
+            "utilisation": patches / (len(packs) * self.config.data.batch_patches),
+            "token_drop": self.config.data.token_drop.rate(max(self.step - 1, 0) / self.total),
             "step_s": step_s,
             "data_s": render_s,
             "images_per_s": images / step_s,
@@ -230,7 +218,7 @@ class Trainer:
         from .checkpoint import state_path
 
         kept = (
-            f"the last good checkpoint, from step {self.saved_step}, is kept in {state_path(self.config.out)}"
+            f"the last good checkpoint, from step {self.saved_step}, is kept in {state_path(self.config.run.out)}"
             if self.saved_step is not None
             else "no checkpoint had been written yet"
         )
@@ -244,7 +232,7 @@ class Trainer:
     def export(self) -> list[str]:
         """The encoder in the package's format at ``<out>/checkpoint`` (with the processor's settings), and
         the objective's files beside it. Every rank gathers; the main rank writes."""
-        out = self.config.out
+        out = self.config.run.out
         state = self.parallel.model_state()
         if not self.ranks.is_main:
             return []
@@ -257,7 +245,7 @@ class Trainer:
         encoder.save_pretrained(out / "checkpoint")
         self.processor.save_pretrained(out / "checkpoint")
         if encoder.config.max_frames > 1:  # a video tower's folder keeps its source's video rule (K3: 8 fps)
-            video = video_processor_of(checkpoint=self.config.checkpoint, preset=self.config.preset)
+            video = video_processor_of(checkpoint=self.config.model.checkpoint, preset=self.config.model.preset)
             video.save_pretrained(out / "checkpoint")
         return ["checkpoint", *self.objective.save(out, parts["objective"])]
 
@@ -275,14 +263,14 @@ class StepFeed:
     def __init__(self, trainer: Trainer, total: int, workers: int) -> None:
         self.trainer, self.total, self.workers = trainer, total, workers
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="moonvit-render") if workers else None
-        self.ahead: deque[tuple[list[Pack], Any, Future[list[Batch]] | None]] = deque()
+        self.ahead: deque[tuple[list[PlannedPack], Any, Future[list[Batch]] | None]] = deque()
 
-    def _draw(self, step: int) -> tuple[list[Pack], Any]:
+    def _draw(self, step: int) -> tuple[list[PlannedPack], Any]:
         plan = self.trainer.plan
         packs = [plan.packer.next_pack(step / self.total) for _ in range(plan.packs_per_step)]
         return packs, plan.packer.state_dict()
 
-    def next(self, step: int) -> tuple[list[Pack], Any, Future[list[Batch]] | None]:
+    def next(self, step: int) -> tuple[list[PlannedPack], Any, Future[list[Batch]] | None]:
         """Step ``step``'s (packs, plan position after them, rendering or None), topping up the
         steps drawn ahead."""
         if self.pool is None:

@@ -36,7 +36,7 @@ def gguf_dtype(text: str) -> str:
 def load_projector(source: str, checkpoint: str, given: bool, width: int) -> Any:
     """The Kimi projector at ``source``; where the checkpoint has none, a :class:`CheckpointError`
     saying how to attach one (a tower saved by this package, trained or fine-tuned, holds none)."""
-    from projector import MoonViTProjector  # the projector package ships beside moonvit
+    from ..model.projector import MoonViTProjector
 
     try:
         return MoonViTProjector.from_pretrained(source)
@@ -47,7 +47,7 @@ def load_projector(source: str, checkpoint: str, given: bool, width: int) -> Any
             f"no Kimi projector in {checkpoint} ({error}). An mmproj file holds the tower and the projector "
             f"into the LLM's width: pass --projector-from DIR_OR_HUB_ID (a folder or hub id holding a Kimi projector "
             f"for this tower's {width}-wide tokens), or save one into the checkpoint with "
-            f"MoonViTProjector(...).save_pretrained({checkpoint!r}) (from projector import MoonViTProjector)"
+            f"MoonViTProjector(...).save_pretrained({checkpoint!r}) (from moonvit import MoonViTProjector)"
         ) from None
 
 

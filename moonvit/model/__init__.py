@@ -5,7 +5,8 @@ pack's grids determine, computed once per call), :mod:`.position` (the learnable
 table and its bicubic taps), :mod:`.rope` (2D rotary embedding), :mod:`.attention`
 (the backend registry), :mod:`.linear` (CPU linears: fused epilogues, bf16 widened where the CPU
 has no bf16 arithmetic), :mod:`.blocks` (the pre-LN block), :mod:`.encoder` (:class:`MoonViT`),
-:mod:`.interface` (what other packages need from an encoder).
+:mod:`.interface` (what other packages need from an encoder), :mod:`.projector` (merged patches to a
+language model's tokens; its checkpoint loader is :mod:`moonvit.weights.projector`).
 """
 
 from .attention import attention_names, register_attention
@@ -14,13 +15,16 @@ from .encoder import MoonViT, MoonViTOutput
 from .grid import PackedGrid, build_packed_grid, tokens_per_image
 from .interface import VisionEncoder
 from .linear import cpu_bf16_matmul, cpu_bf16_matmul_mode, set_cpu_bf16_matmul
+from .projector import MoonViTProjector, ProjectorConfig
 
 __all__ = [
     "PRESETS",
     "MoonViT",
     "MoonViTConfig",
     "MoonViTOutput",
+    "MoonViTProjector",
     "PackedGrid",
+    "ProjectorConfig",
     "VisionEncoder",
     "attention_names",
     "build_packed_grid",

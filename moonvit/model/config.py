@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ..files import write_text_atomic
 from .attention import check_attn_name
+from .position import ArrayT, resample_taps
 
 C = TypeVar("C", bound="DictConfig")
 
@@ -66,6 +68,11 @@ class MoonViTConfig(DictConfig):
       (the patch convolution): whether those layers have biases.
     - ``pos_emb_interpolation_mode``: ``"bicubic"`` or ``"bilinear"``, how the
       position table is resampled to each grid (``F.interpolate``, align_corners False).
+
+    A family answers for itself: :meth:`switches` lists the switches it sets,
+    :meth:`describe` its shape in one line, :meth:`flops` its matmul count and
+    :meth:`position_taps` how its table is resampled, so that programs need not
+    read the switches.
     """
 
     patch_size: int = 14
@@ -139,6 +146,77 @@ class MoonViTConfig(DictConfig):
         """kh * kw, the patches that become one merged token."""
         return self.merge_kernel_size[0] * self.merge_kernel_size[1]
 
+    def switches(self) -> dict[str, Any]:
+        """The architecture switches (:data:`SWITCHES`) whose value differs from the Kimi-VL / K2.5
+        default, by name: empty for Kimi-VL, K2.5 / K2.6 and LocateAnything, K3's for MoonViT-V2.
+
+        ``init_pos_emb_time`` is not one: it is a size (the temporal table's rows, 0 or 4), as the
+        spatial table's are, and K2.5 is a default family.
+        """
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in SWITCHES}
+        return {name: getattr(self, name) for name in SWITCHES if getattr(self, name) != defaults[name]}
+
+    def describe(self) -> str:
+        """The tower's shape in one line (a training run compares it on resume); a tower with switches
+        adds its attention width, norm, biases and resampling (a different epsilon alone adds nothing)."""
+        shape = (
+            f"{self.num_hidden_layers} blocks x {self.hidden_size} ({self.num_attention_heads} heads, "
+            f"MLP {self.intermediate_size}), patch {self.patch_size}, table "
+            f"{self.init_pos_emb_height}x{self.init_pos_emb_width}"
+        )
+        if set(self.switches()) - {"layer_norm_eps"}:
+            shape += (
+                f", attention {self.attention_width}, {self.norm_type}, {self._biases()}, "
+                f"{self.pos_emb_interpolation_mode}"
+            )
+        return shape
+
+    def _biases(self) -> str:
+        present = [
+            name
+            for name, on in (
+                ("attention", self.attn_bias),
+                ("MLP", self.linear_bias),
+                ("patch embedding", self.patch_embed_proj_bias),
+            )
+            if on
+        ]
+        if len(present) == 3:
+            return "biases"
+        return f"biases only in {' and '.join(present)}" if present else "no biases"
+
+    def flops(self, seqlens: Sequence[int], depth: int | None = None) -> float:
+        """Matmul FLOPs of one forward over items of ``seqlens`` packed rows each (a clip's frames
+        together; the kept patches under token dropping), at ``depth`` blocks (default: all).
+
+        Counts the patch embedding, the projections (wqkv D x 3A and wo A x D over the attention
+        width A), the MLP and the attention (4 n^2 A per item of n rows). A training step (forward
+        and backward) costs about 3x this.
+        """
+        layers = self.num_hidden_layers if depth is None else depth
+        return matmul_flops(
+            seqlens,
+            self.hidden_size,
+            self.intermediate_size,
+            layers,
+            self.patch_size,
+            self.attention_width,
+            self.num_channels,
+        )
+
+    def position_taps(self, positions: ArrayT, heights: ArrayT, widths: ArrayT) -> tuple[ArrayT, ArrayT]:
+        """Taps and weights into this tower's flattened position table for patches at ``positions``
+        (L, 2) of grids ``heights`` x ``widths`` (L,), by its own resampling (bicubic or bilinear);
+        see :func:`~moonvit.model.position.resample_taps`."""
+        return resample_taps(
+            positions,
+            heights,
+            widths,
+            self.init_pos_emb_height,
+            self.init_pos_emb_width,
+            self.pos_emb_interpolation_mode,
+        )
+
     def save(self, folder: str | Path) -> None:
         """Write ``config.json`` into ``folder`` (atomically)."""
         write_text_atomic(Path(folder) / "config.json", json.dumps(self.to_dict(), indent=2) + "\n")
@@ -146,6 +224,34 @@ class MoonViTConfig(DictConfig):
 
 NORM_TYPES = ("layernorm", "rmsnorm")
 INTERPOLATION_MODES = ("bicubic", "bilinear")
+SWITCHES = (
+    "qkv_hidden_size",
+    "norm_type",
+    "layer_norm_eps",
+    "attn_bias",
+    "linear_bias",
+    "patch_embed_proj_bias",
+    "pos_emb_interpolation_mode",
+)
+"""The fields that set a tower's architecture apart from Kimi-VL / K2.5's (see :meth:`MoonViTConfig.switches`)."""
+
+
+def matmul_flops(
+    seqlens: Sequence[int],
+    hidden: int,
+    mlp: int,
+    depth: int,
+    patch: int = 14,
+    attention: int | None = None,
+    channels: int = 3,
+) -> float:
+    """Matmul FLOPs of one forward of a tower of these sizes over items of ``seqlens`` rows each
+    (:meth:`MoonViTConfig.flops`; ``attention``: the attention's inner width, default ``hidden``)."""
+    attn = hidden if attention is None else attention
+    patches = sum(seqlens)
+    per_block = 2 * patches * (4 * hidden * attn + 2 * hidden * mlp) + sum(4 * n**2 * attn for n in seqlens)
+    return 2 * patches * channels * patch * patch * hidden + depth * per_block
+
 
 # Kimi K3's switches (MoonViT-V2): attention wider than the stream, RMSNorm with the dtype's
 # epsilon, no biases, bilinear resampling, and K2.5's 4-frame temporal table.

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -15,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from .attention import bind_attention, check_attn_implementation, resolve_attn_implementation
 from .blocks import Block, make_norm
 from .config import MoonViTConfig, preset_config
-from .grid import GridCache, GridInput, PackedGrid, build_packed_grid, check_pixel_shape
+from .grid import GridCache, GridInput, PackedGrid, build_packed_grid, check_pixel_shape, validate_grid_thws
 from .position import LearnablePositionTable
 
 
@@ -119,7 +122,7 @@ class Encoder(nn.Module):
 class MoonViT(nn.Module):
     """The MoonViT vision tower of Kimi-VL, Kimi-K2.5 / K2.6 (clips) and Kimi K3 (MoonViT-V2), by its config.
 
-    Call it as ``encoder(pixel_values, grid_hws)`` with every image of a pack cut
+    Call it as ``encoder(pixel_values, grid_thws)`` with every image of a pack cut
     into patches in raster order and concatenated; attention stays within each
     image and nothing is padded.
     """
@@ -201,6 +204,24 @@ class MoonViT(nn.Module):
         self.grid_cache.clear()
         self.patch_embed.pos_emb.clear_cache()
 
+    # ---- what the tower answers for itself ------------------------------------------------
+    def flops(self, grid_thws: GridInput) -> float:
+        """Matmul FLOPs of one forward over a pack of these (N, 2) (h, w) or (N, 3) (t, h, w) grids
+        (:meth:`MoonViTConfig.flops <moonvit.model.config.MoonViTConfig.flops>`)."""
+        return self.config.flops([t * h * w for t, h, w in validate_grid_thws(grid_thws, self.config)])
+
+    def position_table(self, rows: int, cols: int) -> torch.Tensor:
+        """(rows, cols, D) in the table's dtype and device: the position table as the forward adds it
+        to an image of a rows x cols patch grid (resampled by the tower's own mode); differentiable."""
+        if rows < 1 or cols < 1:
+            raise ValueError(f"position_table needs a grid of at least 1x1, got {rows}x{cols}")
+        r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+        positions = torch.stack([r.flatten(), c.flatten()], dim=1)
+        count = rows * cols
+        taps, weights = self.config.position_taps(positions, torch.full((count,), rows), torch.full((count,), cols))
+        table = self.patch_embed.pos_emb
+        return table(taps.to(self.device), weights.to(self.device)).reshape(rows, cols, -1)
+
     # ---- forward ------------------------------------------------------------------
     def prepare_grid(self, grid_thws: GridInput, keep: Sequence[torch.Tensor] | None = None) -> PackedGrid:
         """Validate the pack's grids and compute its metadata on the model's device.
@@ -221,11 +242,12 @@ class MoonViT(nn.Module):
     def forward(
         self,
         pixel_values: torch.Tensor,
-        grid_hws: GridInput | None = None,
+        grid_thws: GridInput | None = None,
         *,
         grid: PackedGrid | None = None,
         output_hidden_states: bool = False,
         hidden_state_indices: Sequence[int] | None = None,
+        **deprecated: Any,
     ) -> MoonViTOutput:
         """Encode a pack of images (and clips).
 
@@ -233,18 +255,20 @@ class MoonViT(nn.Module):
             pixel_values: (L, 3, patch, patch) floating, each item's patches in
                 raster order (frame after frame for a clip), items concatenated;
                 cast to the model's dtype.
-            grid_hws: (N, 2) integer patch rows and columns of each image, or
-                (N, 3) rows (t, h, w).
-            grid: precomputed :meth:`prepare_grid` output, instead of grid_hws.
+            grid_thws: (N, 3) integer rows (t, h, w): frames, patch rows and columns of each
+                item, or (N, 2) rows (h, w) of images. The old keyword ``grid_hws=`` is still
+                accepted, with a DeprecationWarning.
+            grid: precomputed :meth:`prepare_grid` output, instead of grid_thws.
             output_hidden_states: also return every block's (L, D) output.
             hidden_state_indices: return only these entries of the hidden states
                 (0 = embeddings, i = block i's output, negative from the end), e.g.
                 ``(-4, -3, -2, -1)`` for the last four blocks; the others are not kept.
         """
+        grid_thws = _renamed_grid(grid_thws, deprecated)
         if grid is None:
-            if grid_hws is None:
-                raise TypeError("forward needs grid_hws (N, 2) or a precomputed grid")
-            grid = self.prepare_grid(grid_hws)
+            if grid_thws is None:
+                raise TypeError("forward needs grid_thws (N, 3) or (N, 2), or a precomputed grid")
+            grid = self.prepare_grid(grid_thws)
         self._check_pixel_values(pixel_values, grid)
         if grid.max_frames > self.config.max_frames:
             raise ValueError(
@@ -301,6 +325,35 @@ class MoonViT(nn.Module):
         )
         if pixel_values.device != self.device:
             raise ValueError(f"pixel_values is on {pixel_values.device}, the model on {self.device}")
+
+
+def _renamed_grid(grid_thws: GridInput | None, deprecated: dict[str, Any]) -> GridInput | None:
+    """``grid_thws``, or the old keyword ``grid_hws`` (with a DeprecationWarning); nothing else."""
+    old = deprecated.pop("grid_hws", None)
+    if deprecated:
+        raise TypeError(f"forward() got an unexpected keyword argument {next(iter(deprecated))!r}")
+    if old is None:
+        return grid_thws
+    if grid_thws is not None:
+        raise TypeError("forward() got both grid_thws and its old name grid_hws; pass grid_thws only")
+    warnings.warn(
+        "MoonViT.forward(grid_hws=...) is renamed grid_thws=...; the old keyword will go",
+        DeprecationWarning,
+        stacklevel=_caller_level(),
+    )
+    return old
+
+
+def _caller_level() -> int:
+    """The stacklevel of the first frame outside this file and torch.nn (the caller of ``model(...)``)."""
+    frame: FrameType | None = sys._getframe(2)  # forward: stacklevel 2 of the warning in _renamed_grid
+    level = 2
+    while frame is not None and (frame.f_code.co_filename == __file__ or _TORCH_NN in frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_TORCH_NN = str(Path(nn.__file__).parent)
 
 
 def _init_weights(module: nn.Module) -> None:

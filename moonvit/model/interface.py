@@ -1,6 +1,6 @@
 """What the rest of the package needs from an encoder, as a structural type.
 
-``eval/`` and ``projector/export.py`` are typed against :class:`VisionEncoder`,
+``eval/`` and ``projector/export/`` are typed against :class:`VisionEncoder`,
 not the concrete :class:`~moonvit.model.encoder.MoonViT`, so a wrapped,
 compiled or future encoder (another checkpoint family) serves them as long as it
 has these members.
@@ -28,7 +28,7 @@ class VisionEncoder(Protocol):
         config: patch size, merge kernel, width and depth (a :class:`MoonViTConfig`).
         dtype, device: where its weights live.
         prepare_grid(grid_thws): the pack's metadata (see :class:`PackedGrid`).
-        __call__(pixel_values, grid_hws=None, *, grid=None, output_hidden_states=False,
+        __call__(pixel_values, grid_thws=None, *, grid=None, output_hidden_states=False,
             hidden_state_indices=None): a :class:`MoonViTOutput` with ``last_hidden_state``
             (L, D) and ``merged`` (L / 4, 4, D).
     """
@@ -46,7 +46,7 @@ class VisionEncoder(Protocol):
     def __call__(
         self,
         pixel_values: torch.Tensor,
-        grid_hws: GridInput | None = None,
+        grid_thws: GridInput | None = None,
         *,
         grid: PackedGrid | None = None,
         output_hidden_states: bool = False,

@@ -72,7 +72,7 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
     encoder = MoonViT.from_pretrained(args.checkpoint, dtype=dtype, device="cpu")
     projector = None
     if args.projector:
-        from projector import MoonViTProjector  # the projector package ships beside moonvit
+        from ..model.projector import MoonViTProjector
 
         projector = MoonViTProjector.from_pretrained(args.checkpoint, dtype=dtype, device="cpu")
     start = time.perf_counter()

@@ -41,7 +41,6 @@ import numpy as np
 
 from ..model.config import MoonViTConfig
 from ..model.grid import check_grid_rows, check_pixel_shape
-from ..model.position import resample_taps
 
 INPUT_NAMES = (
     "pixel_values",
@@ -141,14 +140,7 @@ def _position_taps(
     size_starts, size_owner, size_local = _segments(sizes[:, 0] * sizes[:, 1])
     size_heights, size_widths = sizes[size_owner, 0], sizes[size_owner, 1]
     size_positions = np.stack([size_local // size_widths, size_local % size_widths], axis=-1)
-    taps, weights = resample_taps(
-        size_positions,
-        size_heights,
-        size_widths,
-        config.init_pos_emb_height,
-        config.init_pos_emb_width,
-        config.pos_emb_interpolation_mode,
-    )
+    taps, weights = config.position_taps(size_positions, size_heights, size_widths)
     return {
         "pos_emb_index": taps,
         "pos_emb_weight": weights.astype(np.float32),

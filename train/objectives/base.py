@@ -26,7 +26,7 @@ import torch.nn as nn
 from moonvit import MoonViT
 
 from ..batch import Batch
-from ..plan import PlannedImage
+from ..plan import PlannedTrainImage
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
@@ -125,7 +125,7 @@ class Objective(nn.Module, ABC):
         """Called after every optimizer step (an EMA teacher updates here); nothing by default."""
 
     @abstractmethod
-    def weight(self, items: Sequence[PlannedImage]) -> int:
+    def weight(self, items: Sequence[PlannedTrainImage]) -> int:
         """The units the loss of these planned images is a sum over."""
 
     @abstractmethod

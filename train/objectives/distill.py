@@ -47,7 +47,7 @@ from moonvit.cli import checkpoint_source, non_negative_float, positive_int
 from moonvit.files import save_safetensors_atomic
 
 from ..batch import Batch, kept_rows
-from ..plan import PlannedImage
+from ..plan import PlannedTrainImage
 from .base import Objective, ObjectiveOutput
 
 if TYPE_CHECKING:
@@ -161,18 +161,19 @@ class DistillObjective(Objective):
 
     @classmethod
     def check_config(cls, config: TrainConfig, error: Callable[[str], NoReturn]) -> TrainConfig:
-        options = config.objective_options
+        options: DistillObjective.Options = config.options
         if options.teacher is None:
             error("--objective distill needs --teacher DIR_OR_HUB_ID (the frozen tower to distil)")
         if options.cosine_weight == 0 and options.l1_weight == 0:
             error("--cosine-weight and --l1-weight are both 0: nothing would be learned")
-        if config.mixup or config.cutmix:
+        if config.augment.mixing:
             error("--objective distill regresses each image's own teacher tokens: --mixup / --cutmix do not apply")
         return config
 
     @classmethod
     def from_config(cls, encoder: MoonViT, classes: Sequence[str], config: TrainConfig) -> DistillObjective:
-        o = config.objective_options
+        o: DistillObjective.Options = config.options
+        assert o.teacher is not None  # check_config refuses a run without one
         from ..build import TrainError
 
         try:
@@ -181,8 +182,8 @@ class DistillObjective(Objective):
         except (CheckpointError, OSError, ValueError) as failure:
             raise TrainError(f"cannot load --teacher {o.teacher}: {failure}") from failure
         student_processor = (
-            MoonViTImageProcessor.from_pretrained(config.checkpoint)
-            if config.checkpoint is not None
+            MoonViTImageProcessor.from_pretrained(config.model.checkpoint)
+            if config.model.checkpoint is not None
             else MoonViTImageProcessor()
         )
         name = str(o.teacher).rstrip("/").rsplit("/", 1)[-1]
@@ -234,7 +235,7 @@ class DistillObjective(Objective):
 
     # ---- the objective ------------------------------------------------------------------------
 
-    def weight(self, items: Sequence[PlannedImage]) -> int:
+    def weight(self, items: Sequence[PlannedTrainImage]) -> int:
         return sum(item.kept for item in items)
 
     def patch_losses(self, encoder: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

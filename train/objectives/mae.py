@@ -21,6 +21,7 @@ patches over all ranks (known from the plan), so it is the exact token-weighted 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from moonvit.model.attention import bind_attention, resolve_attn_implementation
 from moonvit.model.blocks import Block, make_norm
 
 from ..batch import Batch, kept_rows
-from ..plan import PlannedImage, TokenDrop
+from ..plan import PlannedTrainImage, TokenDrop
 from .base import Objective, ObjectiveOutput
 
 if TYPE_CHECKING:
@@ -158,24 +159,26 @@ class MAEObjective(Objective):
 
     @classmethod
     def check_config(cls, config: TrainConfig, error: Callable[[str], NoReturn]) -> TrainConfig:
-        options = config.objective_options
-        if config.token_drop.active:
+        options: MAEObjective.Options = config.options
+        if config.data.token_drop.active:
             error("--objective mae masks with --mask-ratio; --token-drop is for the supervised objective")
-        if config.mixup or config.cutmix:
+        if config.augment.mixing:
             error("--objective mae reconstructs each image's own pixels: --mixup / --cutmix do not apply")
         if options.decoder_width % options.decoder_heads or (options.decoder_width // options.decoder_heads) % 4:
             error("--decoder-width / --decoder-heads must be a multiple of 4 (2D RoPE)")
         # The plan's token drop is MAE's mask: drawn per image from its seed, counted by the budget.
-        return config.replace(token_drop=TokenDrop(options.mask_ratio, options.mask_ratio))
+        return config.replace(
+            data=dataclasses.replace(config.data, token_drop=TokenDrop(options.mask_ratio, options.mask_ratio))
+        )
 
     @classmethod
     def from_config(cls, encoder: MoonViT, classes: Sequence[str], config: TrainConfig) -> MAEObjective:
-        o = config.objective_options
+        o: MAEObjective.Options = config.options
         return cls(encoder.config, o.mask_ratio, o.decoder_width, o.decoder_depth, o.decoder_heads, o.norm_pix)
 
     # ---- the objective ------------------------------------------------------------------------
 
-    def weight(self, items: Sequence[PlannedImage]) -> int:
+    def weight(self, items: Sequence[PlannedTrainImage]) -> int:
         return sum(item.patches - item.kept for item in items)
 
     def reconstruct(

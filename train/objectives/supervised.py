@@ -20,7 +20,7 @@ from moonvit.cli import drop_rate
 from moonvit.files import save_safetensors_atomic, write_text_atomic
 
 from ..batch import Batch
-from ..plan import PlannedImage
+from ..plan import PlannedTrainImage
 from .base import Objective, ObjectiveOutput
 
 if TYPE_CHECKING:
@@ -62,12 +62,13 @@ class SupervisedObjective(Objective):
 
     @classmethod
     def from_config(cls, encoder: MoonViT, classes: Sequence[str], config: TrainConfig) -> SupervisedObjective:
-        return cls(encoder.config.hidden_size, classes, config.objective_options.smoothing)
+        options: SupervisedObjective.Options = config.options
+        return cls(encoder.config.hidden_size, classes, options.smoothing)
 
     def metrics(self, means: dict[str, float]) -> dict[str, float]:
         return {"top1": means["correct"]}
 
-    def weight(self, items: Sequence[PlannedImage]) -> int:
+    def weight(self, items: Sequence[PlannedTrainImage]) -> int:
         return len(items)
 
     def logits(self, encoder: nn.Module, batch: Batch) -> torch.Tensor:

@@ -1,0 +1,90 @@
+"""Pre-compute the visual tokens of a whole image collection, for LLM alignment training.
+
+    python -m projector.export --inputs images/ --checkpoint ckpt/ --out tokens/
+    torchrun --nproc-per-node 2 -m projector.export --inputs list.txt --checkpoint ckpt/ --out tokens/
+
+The inputs are split, in input order, into shards of ``--shard-size`` images. Shard k is written
+to ``shard-{k:06d}.safetensors``: one tensor per stored kind, the images' tokens back to back
+(``projected`` (sum n_i, llm_hidden), ``merged`` (sum n_i, 4, D)). Its manifest lines and failures
+go to ``parts/shard-{k:06d}.json``. Both files are written to a temporary name and renamed, shard
+first, so a shard is done exactly when its part exists: a killed run started again with the same
+arguments redoes only the shards in flight. At the end rank 0 assembles ``manifest.jsonl`` (one
+line per exported image, in input order) and ``failures.jsonl`` from the parts. ``run.json`` holds
+the settings; starting again with other settings into the same folder is an error that names each
+differing setting with both values.
+
+Under torchrun each rank takes a contiguous run of shards with about equal patch totals (planned
+from the file headers) and writes its own shards; each shard is encoded in the same packs
+whichever rank writes it, so for the same thread count per process the output is byte-identical
+to one process's. ``run.json`` records that thread count (torchrun sets ``OMP_NUM_THREADS=1`` per
+rank unless ``--threads`` says otherwise), torch's version and the CPU's kernel level, since CPU
+kernels may round differently under any of them. ``--out`` must be a folder that every rank sees
+(a shared filesystem across machines). Without torchrun's environment the export runs in one
+process.
+
+An input with nothing to export (no image files, or no image that can be planned) is an error,
+and so is a run that exports no image at all; files skipped for their extension are counted.
+
+The package by job: :mod:`.settings` (the typed :class:`ExportRun`), :mod:`.inputs` (what
+``--inputs`` names, the ids, the listing's hash), :mod:`.models`, :mod:`.plan` (items and shards
+planned from the file headers), :mod:`.shards` (a shard and its part written atomically, the
+manifest assembled), :mod:`.run` (``run.json``, resume, the ranks, the summary) and :mod:`.cli`.
+"""
+
+from __future__ import annotations
+
+from moonvit.runs import differences
+
+from .cli import build_parser, export_run, main
+from .inputs import InputImage, Inputs, listing_sha256, read_inputs, scan_inputs
+from .models import Models, load_models
+from .plan import ExportItem, plan_all, plan_input, shard_ranges, split_balanced
+from .run import Progress, claim_output, describe_run, export, export_rank
+from .settings import STORES, ExportError, ExportRun
+from .shards import (
+    ShardResult,
+    assemble,
+    export_shard,
+    item_id,
+    manifest_counts,
+    manifest_line,
+    part_path,
+    shard_name,
+    stored_tensors,
+)
+
+__all__ = [
+    "STORES",
+    "ExportError",
+    "ExportItem",
+    "ExportRun",
+    "InputImage",
+    "Inputs",
+    "Models",
+    "Progress",
+    "ShardResult",
+    "assemble",
+    "build_parser",
+    "claim_output",
+    "describe_run",
+    "differences",
+    "export",
+    "export_rank",
+    "export_run",
+    "export_shard",
+    "item_id",
+    "listing_sha256",
+    "load_models",
+    "main",
+    "manifest_counts",
+    "manifest_line",
+    "part_path",
+    "plan_all",
+    "plan_input",
+    "read_inputs",
+    "scan_inputs",
+    "shard_name",
+    "shard_ranges",
+    "split_balanced",
+    "stored_tensors",
+]

@@ -1,0 +1,88 @@
+"""``python -m projector.export``'s command line: the parser, and the :class:`ExportRun` it gives."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from moonvit.cli import (
+    add_budget_argument,
+    add_checkpoint_argument,
+    add_device_argument,
+    add_dtype_argument,
+    add_side_limit_argument,
+    add_threads_argument,
+    add_workers_argument,
+    existing_path,
+    exit_on,
+    one_line_warnings,
+    output_dir,
+    positive_int,
+)
+
+from .run import export
+from .settings import STORES, ExportError, ExportRun
+
+__all__ = ["build_parser", "export_run", "main"]
+
+DESCRIPTION = "Pre-compute the visual tokens of a whole image collection, for LLM alignment training."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m projector.export",
+        description=DESCRIPTION,
+        epilog="Data-parallel: torchrun --nproc-per-node K -m projector.export ...",
+    )
+    parser.add_argument(
+        "--inputs",
+        type=existing_path,
+        required=True,
+        help="image folder (recursive; files with other extensions are skipped and counted), "
+        "text file of paths, or JSONL of {id, path} lines",
+    )
+    add_checkpoint_argument(
+        parser,
+        help="folder or hub id (owner/name) with the encoder, projector and preprocessor_config.json",
+        required=True,
+    )
+    parser.add_argument("--out", type=output_dir, required=True, help="output folder (resumed if it holds this run)")
+    parser.add_argument(
+        "--store",
+        choices=sorted(STORES),
+        default="projected",
+        help="merged encoder tokens, projected tokens, or both (default: projected)",
+    )
+    add_dtype_argument(parser, "bf16", "compute and storage dtype")
+    add_budget_argument(parser)
+    parser.add_argument("--shard-size", type=positive_int, default=1000, help="images per shard (default: 1000)")
+    add_side_limit_argument(parser)
+    add_device_argument(parser, "cpu, cuda or cuda:N (each torchrun rank takes cuda:LOCAL_RANK)")
+    add_threads_argument(parser)
+    add_workers_argument(parser, "packs of images")
+    return parser
+
+
+def export_run(args: argparse.Namespace) -> ExportRun:
+    """The typed settings of a parsed command line (the one place that reads the namespace)."""
+    return ExportRun(
+        inputs=args.inputs,
+        checkpoint=args.checkpoint,
+        out=args.out,
+        store=args.store,
+        dtype=args.dtype,
+        max_patches_per_pack=args.max_patches_per_pack,
+        shard_size=args.shard_size,
+        side_limit_mode=args.side_limit_mode,
+        device=args.device,
+        threads=args.threads,
+        workers=args.workers,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = build_parser()
+    run = export_run(parser.parse_args(argv))
+    with one_line_warnings(), exit_on(parser, ExportError):
+        return export(run)

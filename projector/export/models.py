@@ -1,0 +1,57 @@
+"""The export's models: the encoder, the projector when projected tokens are stored, the processors."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moonvit import MoonViT, MoonViTImageProcessor, VisionEncoder
+from moonvit.media.video import MoonViTVideoProcessor
+from moonvit.weights.checkpoint import CheckpointError, update_weights_digest
+
+from ..model import MoonViTProjector
+from .settings import ExportError
+
+__all__ = ["Models", "load_models"]
+
+
+@dataclass
+class Models:
+    """The encoder, the projector (None when only merged tokens are stored) and the processor."""
+
+    encoder: VisionEncoder
+    projector: MoonViTProjector | None
+    processor: MoonViTImageProcessor
+    video_processor: MoonViTVideoProcessor
+    checkpoint_sha256: str
+
+
+def load_models(
+    checkpoint: str | Path,
+    store: Sequence[str],
+    dtype: torch.dtype,
+    device: torch.device,
+    processor_overrides: dict[str, Any] | None = None,
+) -> Models:
+    """Load the checkpoint (a folder or hub id) and hash the weights as read (before the cast to ``dtype``)."""
+    digest = hashlib.sha256()
+    try:
+        encoder = MoonViT.from_pretrained(checkpoint, device="cpu")
+        update_weights_digest(digest, encoder, "encoder.")
+        projector = None
+        if "projected" in store:
+            projector = MoonViTProjector.from_pretrained(checkpoint, device="cpu")
+            update_weights_digest(digest, projector, "projector.")
+    except CheckpointError as error:
+        hint = " (use --store merged to export without a projector)" if "projected" in store else ""
+        raise ExportError(f"--checkpoint {checkpoint}: {error}{hint}") from error
+    processor = MoonViTImageProcessor.from_pretrained(checkpoint, **(processor_overrides or {}))
+    video_processor = MoonViTVideoProcessor.from_pretrained(checkpoint)  # frames always resize to the side cap
+    encoder = encoder.to(device=device, dtype=dtype).eval()
+    projector = projector.to(device=device, dtype=dtype).eval() if projector is not None else None
+    return Models(encoder, projector, processor, video_processor, digest.hexdigest())

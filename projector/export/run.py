@@ -1,0 +1,215 @@
+"""The run: ``run.json`` (claim or resume), this rank's shards, the torchrun ranks, the summary."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+import moonvit
+from moonvit.cli import apply_threads, torch_dtype
+from moonvit.distributed import Ranks, close_ranks, init_ranks
+from moonvit.files import write_text_atomic
+from moonvit.runs import describe_differences, differences
+from moonvit.weights.hub import source_label
+
+from ..token_folder import FAILURES_FILE, FORMAT, RUN_FILE
+from .inputs import InputImage, Inputs, listing_sha256, scan_inputs
+from .models import Models, load_models
+from .plan import ExportItem, plan_all, shard_ranges, split_balanced
+from .settings import ExportError, ExportRun
+from .shards import assemble, export_shard, part_path
+
+__all__ = ["Progress", "claim_output", "describe_run", "export", "export_rank"]
+
+
+def describe_run(run: ExportRun, models: Models, images: Sequence[InputImage], device: torch.device) -> dict[str, Any]:
+    """The content of ``run.json``: everything that determines the output folder's bytes.
+
+    ``compute`` holds what the numbers depend on beyond the arguments: the threads per process
+    in effect, torch's version, the device type and, on CPU, the kernel level torch dispatches to.
+    The number of ranks is not there: it does not change the output. Made of JSON types only
+    (lists, not tuples), so it compares equal to the file read back.
+    """
+    description = {
+        "format": FORMAT,
+        "moonvit_version": moonvit.__version__,
+        "checkpoint": {"path": source_label(run.checkpoint), "sha256": models.checkpoint_sha256},
+        "processor": models.processor.to_dict(),
+        "video_processor": models.video_processor.to_dict(),
+        "store": list(run.kinds),
+        "dtype": run.dtype,
+        "inputs": {"path": str(run.inputs.resolve()), "count": len(images), "sha256": listing_sha256(images)},
+        "arguments": {
+            "store": run.store,
+            "dtype": run.dtype,
+            "max_patches_per_pack": run.max_patches_per_pack,
+            "shard_size": run.shard_size,
+            "device": run.device,
+            "threads": run.threads,
+            "side_limit_mode": run.side_limit_mode,
+        },
+        "compute": {
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "device_type": device.type,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else None,
+        },
+    }
+    return json.loads(json.dumps(description))
+
+
+def claim_output(out: Path, run: dict[str, Any]) -> None:
+    """Write ``run.json``, or check that the one already in ``out`` describes the same run.
+
+    Raises:
+        ExportError: ``out`` holds an export made with other settings (each differing setting
+            named with its value there and now).
+    """
+    file = out / RUN_FILE
+    if file.is_file():
+        previous = json.loads(file.read_text())
+        if previous != run:
+            changes = describe_differences(differences(previous, run), "{key}: {before!r} there, {after!r} now")
+            raise ExportError(
+                f"--out {out} holds an export with other settings ({changes}; from {file}); "
+                "use the same arguments to resume, or another --out"
+            )
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(file, json.dumps(run, indent=2) + "\n")
+
+
+@dataclass
+class Progress:
+    """This process's counts for the summary."""
+
+    images: int = 0
+    failed: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    data_s: float = 0.0
+
+
+def export_rank(
+    shards: Sequence[int],
+    layout: Sequence[range],
+    planned: Sequence[ExportItem],
+    models: Models,
+    run: ExportRun,
+    show: bool,
+) -> Progress:
+    """Export this rank's shards that have no part file yet, with a progress bar on ``show``."""
+    pending = [k for k in shards if not part_path(run.out, k).is_file()]
+    progress = Progress()
+    start = time.perf_counter()
+    total = sum(len(layout[k]) for k in pending)
+    with tqdm(total=total, unit="img", desc="export", disable=not show, dynamic_ncols=True) as bar:
+        for k in pending:
+            shard = [planned[i] for i in layout[k]]
+            result = export_shard(k, shard, models, run.kinds, run.max_patches_per_pack, run.out, run.workers)
+            progress.data_s += result.data_s
+            progress.images += len(result.images)
+            progress.failed += len(result.failures)
+            progress.tokens += result.num_tokens
+            progress.seconds = time.perf_counter() - start
+            bar.update(len(layout[k]))
+            bar.set_postfix(
+                img_s=f"{(progress.images + progress.failed) / progress.seconds:.1f}",
+                tok_s=f"{progress.tokens / progress.seconds:.0f}",
+            )
+    progress.seconds = time.perf_counter() - start
+    return progress
+
+
+def export(run: ExportRun) -> dict[str, Any]:
+    """Run the export ``run`` describes; returns the summary (on every rank)."""
+    apply_threads(run.threads)
+    ranks, device = init_ranks(run.device)
+    try:
+        return _export(run, ranks, device)
+    finally:
+        close_ranks()
+
+
+def _export(run: ExportRun, ranks: Ranks, device: torch.device) -> dict[str, Any]:
+    inputs = scan_inputs(run.inputs)
+    images = inputs.images
+    overrides = {} if run.side_limit_mode is None else {"side_limit_mode": run.side_limit_mode}
+    models = load_models(run.checkpoint, run.kinds, torch_dtype(run.dtype), device, overrides)
+    smallest = models.encoder.config.tokens_per_merge
+    if run.max_patches_per_pack < smallest:
+        raise ExportError(f"--max-patches-per-pack {run.max_patches_per_pack} is below one merged token ({smallest})")
+    description = describe_run(run, models, images, device)
+    planned = plan_all(images, models, run.max_patches_per_pack, ranks)
+    problem = None
+    if ranks.is_main:
+        try:
+            claim_output(run.out, description)
+        except ExportError as error:
+            problem = str(error)
+    problem = ranks.from_main(problem)
+    if problem is not None:
+        raise ExportError(problem)
+
+    layout = shard_ranges(len(images), run.shard_size)
+    costs = [sum(planned[i].num_patches for i in shard) for shard in layout]
+    mine = split_balanced(costs, ranks.world_size)[ranks.rank]
+    progress = export_rank(mine, layout, planned, models, run, show=ranks.is_main)
+    everyone = ranks.all_gather(progress)  # also the barrier before assembling
+    summary = None
+    if ranks.is_main:
+        exported, failed = assemble(run.out, len(layout))
+        summary = _summary(everyone, exported, failed, inputs.skipped)
+        print(_summary_line(summary, run.out, inputs))
+    summary = ranks.from_main(summary)
+    if summary["records"] == 0:
+        raise ExportError(f"no image could be exported: the reasons are in {run.out / FAILURES_FILE}")
+    return summary
+
+
+def _summary(
+    progress: Sequence[Progress], exported: dict[str, int], failed: int, skipped: dict[str, int]
+) -> dict[str, Any]:
+    """The run's summary: the folder's counts (:func:`manifest_counts`, ``failed`` records), and this
+    run's: ``images_this_run`` counts images and video chunks, one record each."""
+    seconds = max(p.seconds for p in progress)
+    done = sum(p.images + p.failed for p in progress)
+    tokens = sum(p.tokens for p in progress)
+    return {
+        **exported,
+        "failed": failed,
+        "skipped": skipped,
+        "images_this_run": done,
+        "tokens_this_run": tokens,
+        "seconds": seconds,
+        "images_per_s": done / seconds if seconds else 0.0,
+        "tokens_per_s": tokens / seconds if seconds else 0.0,
+        # the share of the encode loop spent waiting for decoded packs (rank 0's when several)
+        "data_share": progress[0].data_s / progress[0].seconds if progress[0].seconds else 0.0,
+    }
+
+
+def _summary_line(summary: dict[str, Any], out: Path, inputs: Inputs) -> str:
+    """``exported 1 image, 1 video (2 chunks), 0 failed ...``: images and videos counted apart (a
+    video's chunks are one record each, like an image, and are what this run's rate counts)."""
+    skipped = f"; {inputs.skipped_line()}" if inputs.skipped else ""
+    exported = f"{summary['images']} image{'s' * (summary['images'] != 1)}"
+    items, unit = "images", "images"
+    if summary["videos"]:
+        videos, chunks = summary["videos"], summary["video_chunks"]
+        exported += f", {videos} video{'s' * (videos != 1)} ({chunks} chunk{'s' * (chunks != 1)})"
+        items, unit = "images and video chunks", "items"
+    return (
+        f"exported {exported}, {summary['failed']} failed (see {out / FAILURES_FILE}){skipped}; "
+        f"this run processed {summary['images_this_run']} {items} into {summary['tokens_this_run']} tokens "
+        f"in {summary['seconds']:.1f} s "
+        f"({summary['images_per_s']:.1f} {unit}/s, {summary['tokens_per_s']:.0f} tokens/s; "
+        f"{summary['data_share']:.0%} of it waiting for decoded images)"
+    )

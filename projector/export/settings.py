@@ -1,0 +1,51 @@
+"""The export's settings, typed: what the command line says, as one :class:`ExportRun`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moonvit.cli import default_device
+from moonvit.media.packing import DEFAULT_MAX_PATCHES_PER_PACK
+
+__all__ = ["STORES", "ExportError", "ExportRun"]
+
+STORES = {"merged": ("merged",), "projected": ("projected",), "both": ("merged", "projected")}
+"""``--store`` -> the tensor kinds each shard holds."""
+
+
+class ExportError(RuntimeError):
+    """The export cannot start: bad inputs, or an output folder made with other settings."""
+
+
+@dataclass(frozen=True)
+class ExportRun:
+    """One export: every setting of ``python -m projector.export`` (see :func:`projector.export.cli.build_parser`)."""
+
+    inputs: Path
+    """Image folder, text file of paths, or JSONL of ``{id, path}`` lines."""
+    checkpoint: str
+    """Folder or hub id with the encoder, projector and preprocessor_config.json."""
+    out: Path
+    """Output folder (resumed if it holds this run)."""
+    store: str = "projected"
+    """A key of :data:`STORES`."""
+    dtype: str = "bf16"
+    """Compute and storage dtype, by short name (bf16, fp16, fp32)."""
+    max_patches_per_pack: int = DEFAULT_MAX_PATCHES_PER_PACK
+    """The patch budget of one encoder forward."""
+    shard_size: int = 1000
+    """Images per shard."""
+    side_limit_mode: str | None = None
+    """The processor's ``side_limit_mode`` (error, resize), or None for the checkpoint's."""
+    device: str = field(default_factory=default_device)
+    """cpu, cuda or cuda:N (each torchrun rank takes cuda:LOCAL_RANK)."""
+    threads: int | None = None
+    """torch CPU threads per process, or None for torch's choice."""
+    workers: int = 0
+    """Threads decoding the next packs while one encodes (the same bytes as 0)."""
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The tensor kinds stored: ``STORES[store]``."""
+        return STORES[self.store]

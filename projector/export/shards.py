@@ -1,0 +1,206 @@
+"""Writing shards: one shard's tokens and part file (each atomically), then the manifest from the parts.
+
+Shard k is ``shard-{k:06d}.safetensors`` (one tensor per stored kind, the images' tokens back to
+back) and ``parts/shard-{k:06d}.json`` (its manifest lines and failures). The shard is renamed into
+place before its part, so a shard is done exactly when its part exists.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from moonvit import PackItem
+from moonvit.encode import EncodedPack, encode_processed, processed_packs
+from moonvit.files import save_safetensors_atomic, sha256_file, write_text_atomic
+from moonvit.media.packing import group_into_packs
+from moonvit.names import path_record
+
+from ..token_folder import FAILURES_FILE, MANIFEST_FILE, PARTS_DIR
+from .models import Models
+from .plan import ExportItem
+
+__all__ = [
+    "ShardResult",
+    "assemble",
+    "export_shard",
+    "item_id",
+    "manifest_counts",
+    "manifest_line",
+    "part_path",
+    "shard_name",
+    "stored_tensors",
+]
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:06d}.safetensors"
+
+
+def part_path(out: Path, index: int) -> Path:
+    return out / PARTS_DIR / f"shard-{index:06d}.json"
+
+
+@dataclass
+class ShardResult:
+    """One shard's manifest lines and failures, in input order."""
+
+    images: list[dict[str, Any]]
+    failures: list[dict[str, Any]]
+    data_s: float = 0.0
+    """Seconds the encoder loop waited for decoded packs (all of the decoding when it is inline)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(entry["num_tokens"] for entry in self.images)
+
+
+def export_shard(
+    index: int,
+    planned: Sequence[ExportItem],
+    models: Models,
+    store: Sequence[str],
+    budget: int,
+    out: Path,
+    workers: int = 0,
+) -> ShardResult:
+    """Encode one shard's inputs, then write its tensors and its part file, each atomically.
+    ``workers`` threads decode the next packs while one encodes (the same bytes as 0)."""
+    Key = tuple[int, int | None]
+    tensors: dict[Key, dict[str, torch.Tensor]] = {}
+    reasons: dict[Key, str] = {}
+    packs = processed_packs(
+        models.processor,
+        group_into_packs((item for p in planned for item in p.items), budget),
+        workers=workers,
+        skip_errors=True,
+        video_processor=models.video_processor,
+    )
+    data_s, ready = 0.0, time.perf_counter()
+    for _, processed in packs:
+        data_s += time.perf_counter() - ready  # waiting for this pack's pixels
+        encoded = encode_processed(models.encoder, processed)
+        reasons.update(encoded.failures)
+        if encoded.items:
+            tensors.update(stored_tensors(encoded, models, store))
+        ready = time.perf_counter()
+    lines: list[dict[str, Any]] = []
+    failures: list[dict[str, Any]] = []
+    stored: dict[str, list[torch.Tensor]] = {kind: [] for kind in store}
+    offset = 0
+    for entry in planned:
+        if entry.reason is not None:
+            failures.append({"id": entry.image.id, **path_record(entry.image.path), "reason": entry.reason})
+            continue
+        try:
+            sha256 = sha256_file(entry.image.path)
+        except OSError as error:  # the file went away after it was decoded
+            failures.append({"id": entry.image.id, **path_record(entry.image.path), "reason": str(error)})
+            continue
+        for item in entry.items:
+            if item.key in reasons:
+                reason = reasons[item.key]
+                failures.append({"id": item_id(entry, item), **path_record(entry.image.path), "reason": reason})
+                continue
+            result = tensors[item.key]
+            num_tokens = len(result[store[0]])
+            lines.append(manifest_line(entry, item, sha256, num_tokens, shard_name(index), offset))
+            offset += num_tokens
+            for kind in store:
+                stored[kind].append(result[kind])
+    if lines:
+        save_safetensors_atomic({kind: torch.cat(parts) for kind, parts in stored.items()}, out / shard_name(index))
+    part = part_path(out, index)
+    part.parent.mkdir(exist_ok=True)
+    write_text_atomic(part, json.dumps({"images": lines, "failures": failures}) + "\n")
+    return ShardResult(lines, failures, data_s)
+
+
+def stored_tensors(
+    encoded: EncodedPack, models: Models, store: Sequence[str]
+) -> dict[tuple[int, int | None], dict[str, torch.Tensor]]:
+    """Per item key, the kinds to store on the CPU: ``merged`` (n_i, 4, D) and / or
+    ``projected`` (n_i, llm_hidden), n_i = rows_i * cols_i / 4, in the export dtype."""
+    outputs = {"merged": encoded.merged}
+    if "projected" in store:
+        assert models.projector is not None
+        with torch.no_grad():
+            outputs["projected"] = models.projector(encoded.merged)
+    split = {kind: encoded.split_tokens(outputs[kind].cpu()) for kind in store}
+    return {item.key: {kind: split[kind][i] for kind in store} for i, item in enumerate(encoded.items)}
+
+
+def item_id(entry: ExportItem, item: PackItem) -> str:
+    """An image's id, or ``<video id>#<chunk>`` for a video's chunk."""
+    return entry.image.id if item.chunk is None else f"{entry.image.id}#{item.chunk.plan.chunk}"
+
+
+def manifest_line(
+    entry: ExportItem, item: PackItem, sha256: str, num_tokens: int, shard: str, offset: int
+) -> dict[str, Any]:
+    """One ``manifest.jsonl`` record: where an image's (a video chunk's) tokens lie and how it was processed."""
+    plan = item.plan
+    line = {
+        "id": item_id(entry, item),
+        **path_record(entry.image.path),
+        "sha256": sha256,
+        "size": list(plan.size),
+        "resized": list(plan.resized_size),
+        "grid_hw": list(plan.grid_hw),
+        "num_tokens": num_tokens,
+        "rescaled": item.rescaled,
+        "shard": shard,
+        "offset": offset,
+    }
+    if plan.stretched_size is not None:  # LocateAnything's rule: stretched, not padded, to the grid
+        line["stretched"] = list(plan.stretched_size)
+    if item.chunk is not None:
+        chunk = item.chunk.plan
+        line.update(
+            video_id=entry.image.id,
+            chunk=chunk.chunk,
+            timestamp=chunk.timestamp,
+            frames=chunk.frames,
+            frame_indices=list(chunk.frame_indices),
+            grid_thw=[chunk.frames, *plan.grid_hw],
+        )
+    return line
+
+
+def assemble(out: Path, count: int) -> tuple[dict[str, int], int]:
+    """Write ``manifest.jsonl`` and ``failures.jsonl`` from the parts of shards 0 .. count - 1.
+
+    Each shard a part names is opened (header only), so that a damaged folder fails loudly.
+    Returns (the manifest's counts, see :func:`manifest_counts`; the failures).
+    """
+    records: list[dict[str, Any]] = []
+    failures: list[str] = []
+    for k in range(count):
+        part = json.loads(part_path(out, k).read_text())
+        if part["images"]:
+            with safe_open(out / shard_name(k), framework="pt"):
+                pass
+        records.extend(part["images"])
+        failures.extend(json.dumps(line) + "\n" for line in part["failures"])
+    write_text_atomic(out / MANIFEST_FILE, "".join(json.dumps(line) + "\n" for line in records))
+    write_text_atomic(out / FAILURES_FILE, "".join(failures))
+    return manifest_counts(records), len(failures)
+
+
+def manifest_counts(records: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """What manifest records stand for: ``images``, ``videos`` (with a chunk exported) and
+    ``video_chunks`` (one record each, like an image), and ``records`` in all."""
+    chunks = [record["video_id"] for record in records if "video_id" in record]
+    return {
+        "images": len(records) - len(chunks),
+        "videos": len(set(chunks)),
+        "video_chunks": len(chunks),
+        "records": len(records),
+    }
