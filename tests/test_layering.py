@@ -9,6 +9,8 @@ edge to a module is also an edge to each package above it.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 LIBRARY = Path(__file__).resolve().parents[1] / "moonvit"
@@ -138,3 +140,10 @@ def test_the_graph_sees_what_it_should():
     assert "moonvit.model.projector" in graph["moonvit.weights.projector"]
     assert "moonvit.weights" not in graph["moonvit.model.projector"]  # loaded lazily, as the encoder's weights
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == {("a", "b")}
+
+
+def test_importing_the_packages_does_not_import_ray():
+    """Ray is an extra: the library and the programs import it only when a Ray path runs."""
+    code = "import sys, moonvit, moonvit.ray_data, projector, projector.export; print('ray' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=LIBRARY.parent)
+    assert done.stdout.strip() == "False", done.stderr

@@ -22,12 +22,31 @@ kernels may round differently under any of them. ``--out`` must be a folder that
 (a shared filesystem across machines). Without torchrun's environment the export runs in one
 process.
 
+Each image is encoded once. Before any encoding, every input is hashed (SHA-256 of its bytes,
+with the header reads of the plan); a later image with the content of an earlier one in the
+listing (the first occurrence, in input order, is the one encoded: the same plan on every rank)
+is not encoded: its part records ``duplicate_of`` the first copy's id, and ``manifest.jsonl``
+gives it the first copy's line (the same ``shard`` and ``offset``, so both ids read the same
+rows) under its own ``id`` and ``path``, or the first copy's failure. Video files are not
+deduplicated.
+
+``--cache DIR`` keeps a content-addressed store of tokens across exports (layout and key in
+:mod:`.cache`): one folder per settings digest, the SHA-256 of the cache format, the weights'
+hash, the processor's ``to_dict()``, the dtype, the stored kinds, ``--max-patches-per-pack`` and
+the compute description of ``run.json``; one safetensors file per image content hash in it. An
+image whose entry is there is not encoded: its tokens are the entry's bytes, i.e. those of the
+export that wrote it. An entry made with any other settings lies in another folder and is never
+read; an entry that fails its checks (its recorded settings, content hash and tokens' SHA-256) is
+encoded again and rewritten. ``--cache`` is not in ``run.json``: a run resumed with or without it
+is the same run. The summary counts the copies not encoded and the images reused from the cache.
+
 An input with nothing to export (no image files, or no image that can be planned) is an error,
 and so is a run that exports no image at all; files skipped for their extension are counted.
 
 The package by job: :mod:`.settings` (the typed :class:`ExportRun`), :mod:`.inputs` (what
 ``--inputs`` names, the ids, the listing's hash), :mod:`.models`, :mod:`.plan` (items and shards
-planned from the file headers), :mod:`.shards` (a shard and its part written atomically, the
+planned from the file headers), :mod:`.cache` (duplicates and the token store, for any engine),
+:mod:`.shards` (a shard and its part written atomically, the
 manifest assembled), :mod:`.run` (``run.json``, resume, the ranks, the summary) and :mod:`.cli`.
 """
 
@@ -35,6 +54,7 @@ from __future__ import annotations
 
 from moonvit.runs import differences
 
+from .cache import CACHE_FORMAT, TokenCache, cache_settings, cacheable, duplicate_sources, tokens_sha256
 from .cli import build_parser, export_run, main
 from .inputs import InputImage, Inputs, listing_sha256, read_inputs, scan_inputs
 from .models import Models, load_models
@@ -54,6 +74,7 @@ from .shards import (
 )
 
 __all__ = [
+    "CACHE_FORMAT",
     "STORES",
     "ExportError",
     "ExportItem",
@@ -62,12 +83,16 @@ __all__ = [
     "Inputs",
     "Models",
     "Progress",
+    "TokenCache",
     "ShardResult",
     "assemble",
     "build_parser",
+    "cache_settings",
+    "cacheable",
     "claim_output",
     "describe_run",
     "differences",
+    "duplicate_sources",
     "export",
     "export_rank",
     "export_run",
@@ -87,4 +112,5 @@ __all__ = [
     "shard_ranges",
     "split_balanced",
     "stored_tensors",
+    "tokens_sha256",
 ]

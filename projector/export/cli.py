@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_argument(parser, "cpu, cuda or cuda:N (each torchrun rank takes cuda:LOCAL_RANK)")
     add_threads_argument(parser)
     add_workers_argument(parser, "packs of images")
+    parser.add_argument(
+        "--cache",
+        type=output_dir,
+        default=None,
+        help="content-addressed token store: images whose tokens it holds for these settings are not "
+        "encoded again (not part of run.json: resuming with or without it is the same run)",
+    )
     return parser
 
 
@@ -78,6 +85,7 @@ def export_run(args: argparse.Namespace) -> ExportRun:
         device=args.device,
         threads=args.threads,
         workers=args.workers,
+        cache=args.cache,
     )
 
 

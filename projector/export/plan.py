@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from moonvit import PackItem
 from moonvit.distributed import Ranks
+from moonvit.files import sha256_file
 from moonvit.media.packing import plan_pack_item, plan_video_items
 from moonvit.media.video import is_video
 
@@ -28,6 +29,8 @@ class ExportItem:
     image: InputImage
     items: tuple[PackItem, ...]
     reason: str | None
+    sha256: str | None = None
+    """The file's content hash (None when it could not be planned)."""
 
     @property
     def num_patches(self) -> int:
@@ -35,15 +38,21 @@ class ExportItem:
 
 
 def plan_input(index: int, image: InputImage, models: Models, budget: int) -> ExportItem:
-    """Plan one input from its header alone (scaled down if alone it exceeds ``budget``)."""
+    """Plan one input from its header alone (scaled down if alone it exceeds ``budget``), and
+    hash its content (which finds the copies of an image: :func:`.cache.duplicate_sources`)."""
     try:
         if is_video(image.path):
             models.video_processor.check_tower(models.encoder.config.max_frames)
-            items = plan_video_items(index, image.path, models.video_processor, budget)
-            return ExportItem(image, tuple(items), None)
-        return ExportItem(image, (plan_pack_item(index, image.path, models.processor, budget),), None)
+            items = tuple(plan_video_items(index, image.path, models.video_processor, budget))
+        else:
+            items = (plan_pack_item(index, image.path, models.processor, budget),)
     except ValueError as error:  # ImageLoadError included; the cause is the unprefixed reason
         return ExportItem(image, (), str(error.__cause__ or error))
+    try:
+        sha256 = sha256_file(image.path)
+    except OSError as error:  # the file went away after its header was read
+        return ExportItem(image, (), str(error))
+    return ExportItem(image, items, None, sha256)
 
 
 def plan_all(images: Sequence[InputImage], models: Models, budget: int, ranks: Ranks) -> list[ExportItem]:

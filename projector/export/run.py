@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from moonvit.runs import describe_differences, differences
 from moonvit.weights.hub import source_label
 
 from ..token_folder import FAILURES_FILE, FORMAT, RUN_FILE
+from .cache import TokenCache, cache_settings, duplicate_sources
 from .inputs import InputImage, Inputs, listing_sha256, scan_inputs
 from .models import Models, load_models
 from .plan import ExportItem, plan_all, shard_ranges, split_balanced
@@ -95,6 +96,10 @@ class Progress:
     tokens: int = 0
     seconds: float = 0.0
     data_s: float = 0.0
+    encoded: int = 0
+    duplicates: int = 0
+    cached: int = 0
+    cache_corrupt: int = 0
 
 
 def export_rank(
@@ -104,8 +109,11 @@ def export_rank(
     models: Models,
     run: ExportRun,
     show: bool,
+    duplicates: Mapping[int, str] | None = None,
+    cache: TokenCache | None = None,
 ) -> Progress:
-    """Export this rank's shards that have no part file yet, with a progress bar on ``show``."""
+    """Export this rank's shards that have no part file yet, with a progress bar on ``show``
+    (``duplicates`` and ``cache`` as :func:`.shards.export_shard` takes them)."""
     pending = [k for k in shards if not part_path(run.out, k).is_file()]
     progress = Progress()
     start = time.perf_counter()
@@ -113,8 +121,13 @@ def export_rank(
     with tqdm(total=total, unit="img", desc="export", disable=not show, dynamic_ncols=True) as bar:
         for k in pending:
             shard = [planned[i] for i in layout[k]]
-            result = export_shard(k, shard, models, run.kinds, run.max_patches_per_pack, run.out, run.workers)
+            result = export_shard(
+                k, shard, models, run.kinds, run.max_patches_per_pack, run.out, run.workers, duplicates, cache
+            )
             progress.data_s += result.data_s
+            progress.encoded += result.encoded
+            progress.duplicates += result.duplicates
+            progress.cached += result.cached
             progress.images += len(result.images)
             progress.failed += len(result.failures)
             progress.tokens += result.num_tokens
@@ -125,6 +138,7 @@ def export_rank(
                 tok_s=f"{progress.tokens / progress.seconds:.0f}",
             )
     progress.seconds = time.perf_counter() - start
+    progress.cache_corrupt = cache.corrupt if cache is not None else 0
     return progress
 
 
@@ -161,12 +175,26 @@ def _export(run: ExportRun, ranks: Ranks, device: torch.device) -> dict[str, Any
     layout = shard_ranges(len(images), run.shard_size)
     costs = [sum(planned[i].num_patches for i in shard) for shard in layout]
     mine = split_balanced(costs, ranks.world_size)[ranks.rank]
-    progress = export_rank(mine, layout, planned, models, run, show=ranks.is_main)
+    sources = duplicate_sources(planned)  # the same plan on every rank: made from the whole listing
+    duplicates = {i: images[first].id for i, first in sources.items()}
+    cache = None
+    if run.cache is not None:
+        settings = cache_settings(
+            models.checkpoint_sha256,
+            description["processor"],
+            run.dtype,
+            run.kinds,
+            run.max_patches_per_pack,
+            description["compute"],
+        )
+        cache = TokenCache(run.cache, settings)
+    progress = export_rank(mine, layout, planned, models, run, ranks.is_main, duplicates, cache)
     everyone = ranks.all_gather(progress)  # also the barrier before assembling
     summary = None
     if ranks.is_main:
         exported, failed = assemble(run.out, len(layout))
         summary = _summary(everyone, exported, failed, inputs.skipped)
+        summary["cache"] = None if run.cache is None else str(run.cache)
         print(_summary_line(summary, run.out, inputs))
     summary = ranks.from_main(summary)
     if summary["records"] == 0:
@@ -193,6 +221,11 @@ def _summary(
         "tokens_per_s": tokens / seconds if seconds else 0.0,
         # the share of the encode loop spent waiting for decoded packs (rank 0's when several)
         "data_share": progress[0].data_s / progress[0].seconds if progress[0].seconds else 0.0,
+        # each image encoded once: items encoded, later copies of an image, tokens read from --cache
+        "encoded_this_run": sum(p.encoded for p in progress),
+        "duplicates_this_run": sum(p.duplicates for p in progress),
+        "cache_reused_this_run": sum(p.cached for p in progress),
+        "cache_corrupt_this_run": sum(p.cache_corrupt for p in progress),
     }
 
 
@@ -200,6 +233,13 @@ def _summary_line(summary: dict[str, Any], out: Path, inputs: Inputs) -> str:
     """``exported 1 image, 1 video (2 chunks), 0 failed ...``: images and videos counted apart (a
     video's chunks are one record each, like an image, and are what this run's rate counts)."""
     skipped = f"; {inputs.skipped_line()}" if inputs.skipped else ""
+    once = ""
+    if summary["duplicates_this_run"]:
+        once += f"; {summary['duplicates_this_run']} copies of an image encoded once"
+    if summary.get("cache") is not None:
+        corrupt = summary["cache_corrupt_this_run"]
+        once += f"; {summary['cache_reused_this_run']} reused from the cache {summary['cache']}"
+        once += f" ({corrupt} damaged entries encoded again)" if corrupt else ""
     exported = f"{summary['images']} image{'s' * (summary['images'] != 1)}"
     items, unit = "images", "images"
     if summary["videos"]:
@@ -211,5 +251,5 @@ def _summary_line(summary: dict[str, Any], out: Path, inputs: Inputs) -> str:
         f"this run processed {summary['images_this_run']} {items} into {summary['tokens_this_run']} tokens "
         f"in {summary['seconds']:.1f} s "
         f"({summary['images_per_s']:.1f} {unit}/s, {summary['tokens_per_s']:.0f} tokens/s; "
-        f"{summary['data_share']:.0%} of it waiting for decoded images)"
+        f"{summary['data_share']:.0%} of it waiting for decoded images){once}"
     )

@@ -44,6 +44,8 @@ class ExportRun:
     """torch CPU threads per process, or None for torch's choice."""
     workers: int = 0
     """Threads decoding the next packs while one encodes (the same bytes as 0)."""
+    cache: Path | None = None
+    """Content-addressed token store (:mod:`projector.export.cache`), or None; not run-defining."""
 
     @property
     def kinds(self) -> tuple[str, ...]:

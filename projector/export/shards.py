@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,11 +19,12 @@ from safetensors import safe_open
 
 from moonvit import PackItem
 from moonvit.encode import EncodedPack, encode_processed, processed_packs
-from moonvit.files import save_safetensors_atomic, sha256_file, write_text_atomic
+from moonvit.files import save_safetensors_atomic, write_text_atomic
 from moonvit.media.packing import group_into_packs
 from moonvit.names import path_record
 
 from ..token_folder import FAILURES_FILE, MANIFEST_FILE, PARTS_DIR
+from .cache import TokenCache, cacheable
 from .models import Models
 from .plan import ExportItem
 
@@ -50,16 +51,24 @@ def part_path(out: Path, index: int) -> Path:
 
 @dataclass
 class ShardResult:
-    """One shard's manifest lines and failures, in input order."""
+    """One shard's manifest lines and failures, in input order. A later copy of an image encoded
+    earlier in the run is a line ``{id, path, duplicate_of: <first copy's id>}`` until
+    :func:`assemble` completes it from the first copy's line."""
 
     images: list[dict[str, Any]]
     failures: list[dict[str, Any]]
     data_s: float = 0.0
     """Seconds the encoder loop waited for decoded packs (all of the decoding when it is inline)."""
+    encoded: int = 0
+    """Items encoded by this shard's forwards."""
+    duplicates: int = 0
+    """Later copies of an image, not encoded."""
+    cached: int = 0
+    """Images whose tokens came from the cache."""
 
     @property
     def num_tokens(self) -> int:
-        return sum(entry["num_tokens"] for entry in self.images)
+        return sum(entry["num_tokens"] for entry in self.images if "duplicate_of" not in entry)
 
 
 def export_shard(
@@ -70,27 +79,53 @@ def export_shard(
     budget: int,
     out: Path,
     workers: int = 0,
+    duplicates: Mapping[int, str] | None = None,
+    cache: TokenCache | None = None,
 ) -> ShardResult:
     """Encode one shard's inputs, then write its tensors and its part file, each atomically.
-    ``workers`` threads decode the next packs while one encodes (the same bytes as 0)."""
+    ``workers`` threads decode the next packs while one encodes (the same bytes as 0).
+
+    ``duplicates`` maps the input position of a later copy of an image to the first copy's id
+    (:func:`.cache.duplicate_sources`): it is not encoded. With ``cache`` an image's tokens are
+    read from it when there, and written to it when encoded here."""
+    duplicates = duplicates or {}
     Key = tuple[int, int | None]
     tensors: dict[Key, dict[str, torch.Tensor]] = {}
     reasons: dict[Key, str] = {}
+    to_encode: list[ExportItem] = []
+    cached = 0
+    for entry in planned:
+        if entry.reason is not None or (cacheable(entry) and entry.items[0].index in duplicates):
+            continue
+        if cache is not None and cacheable(entry):
+            assert entry.sha256 is not None
+            hit = cache.load(entry.sha256)
+            if hit is not None:
+                tensors[entry.items[0].key] = hit
+                cached += 1
+                continue
+        to_encode.append(entry)
     packs = processed_packs(
         models.processor,
-        group_into_packs((item for p in planned for item in p.items), budget),
+        group_into_packs((item for p in to_encode for item in p.items), budget),
         workers=workers,
         skip_errors=True,
         video_processor=models.video_processor,
     )
-    data_s, ready = 0.0, time.perf_counter()
+    data_s, ready, encoded_items = 0.0, time.perf_counter(), 0
     for _, processed in packs:
         data_s += time.perf_counter() - ready  # waiting for this pack's pixels
         encoded = encode_processed(models.encoder, processed)
         reasons.update(encoded.failures)
         if encoded.items:
+            encoded_items += len(encoded.items)
             tensors.update(stored_tensors(encoded, models, store))
         ready = time.perf_counter()
+    if cache is not None:
+        for entry in to_encode:
+            if cacheable(entry) and entry.items[0].key in tensors:
+                assert entry.sha256 is not None
+                cache.save(entry.sha256, tensors[entry.items[0].key])
     lines: list[dict[str, Any]] = []
     failures: list[dict[str, Any]] = []
     stored: dict[str, list[torch.Tensor]] = {kind: [] for kind in store}
@@ -99,11 +134,11 @@ def export_shard(
         if entry.reason is not None:
             failures.append({"id": entry.image.id, **path_record(entry.image.path), "reason": entry.reason})
             continue
-        try:
-            sha256 = sha256_file(entry.image.path)
-        except OSError as error:  # the file went away after it was decoded
-            failures.append({"id": entry.image.id, **path_record(entry.image.path), "reason": str(error)})
+        if cacheable(entry) and entry.items[0].index in duplicates:
+            source = duplicates[entry.items[0].index]
+            lines.append({"id": entry.image.id, **path_record(entry.image.path), "duplicate_of": source})
             continue
+        assert entry.sha256 is not None
         for item in entry.items:
             if item.key in reasons:
                 reason = reasons[item.key]
@@ -111,16 +146,17 @@ def export_shard(
                 continue
             result = tensors[item.key]
             num_tokens = len(result[store[0]])
-            lines.append(manifest_line(entry, item, sha256, num_tokens, shard_name(index), offset))
+            lines.append(manifest_line(entry, item, entry.sha256, num_tokens, shard_name(index), offset))
             offset += num_tokens
             for kind in store:
                 stored[kind].append(result[kind])
-    if lines:
+    if offset:
         save_safetensors_atomic({kind: torch.cat(parts) for kind, parts in stored.items()}, out / shard_name(index))
     part = part_path(out, index)
     part.parent.mkdir(exist_ok=True)
     write_text_atomic(part, json.dumps({"images": lines, "failures": failures}) + "\n")
-    return ShardResult(lines, failures, data_s)
+    copies = sum(1 for line in lines if "duplicate_of" in line)
+    return ShardResult(lines, failures, data_s, encoded_items, copies, cached)
 
 
 def stored_tensors(
@@ -177,20 +213,37 @@ def manifest_line(
 def assemble(out: Path, count: int) -> tuple[dict[str, int], int]:
     """Write ``manifest.jsonl`` and ``failures.jsonl`` from the parts of shards 0 .. count - 1.
 
-    Each shard a part names is opened (header only), so that a damaged folder fails loudly.
-    Returns (the manifest's counts, see :func:`manifest_counts`; the failures).
+    A later copy of an image gets the first copy's line (the same shard and offset) under its own
+    id and path, or the first copy's failure. Each shard a part names is opened (header only), so
+    that a damaged folder fails loudly. Returns (the manifest's counts, see
+    :func:`manifest_counts`; the failures).
     """
     records: list[dict[str, Any]] = []
-    failures: list[str] = []
+    failures: list[dict[str, Any]] = []
+    lines: dict[str, dict[str, Any]] = {}
+    reasons: dict[str, str] = {}
     for k in range(count):
         part = json.loads(part_path(out, k).read_text())
-        if part["images"]:
+        if any("duplicate_of" not in line for line in part["images"]):
             with safe_open(out / shard_name(k), framework="pt"):
                 pass
-        records.extend(part["images"])
-        failures.extend(json.dumps(line) + "\n" for line in part["failures"])
+        for line in part["failures"]:
+            reasons[line["id"]] = line["reason"]
+        failures.extend(part["failures"])
+        for line in part["images"]:
+            source = line.get("duplicate_of")
+            if source is None:
+                lines[line["id"]] = line
+                records.append(line)
+                continue
+            named = {key: value for key, value in line.items() if key != "duplicate_of"}
+            if source in lines:
+                rest = {key: value for key, value in lines[source].items() if key not in ("id", "path", "path_hex")}
+                records.append({**named, **rest})
+            else:  # the first copy failed to decode: so does this one
+                failures.append({**named, "reason": reasons[source]})
     write_text_atomic(out / MANIFEST_FILE, "".join(json.dumps(line) + "\n" for line in records))
-    write_text_atomic(out / FAILURES_FILE, "".join(failures))
+    write_text_atomic(out / FAILURES_FILE, "".join(json.dumps(line) + "\n" for line in failures))
     return manifest_counts(records), len(failures)
 
 

@@ -1,0 +1,149 @@
+"""Each image encoded once: duplicates within a run, and a content-addressed token store across runs.
+
+Both are engine-neutral helpers: an engine plans with :func:`duplicate_sources` (from the planned
+list, in input order, so every rank and every engine computes the same plan) and reads and writes
+tokens through a :class:`TokenCache`.
+
+Cache layout (``--cache DIR``)::
+
+    DIR/<settings digest>/settings.json          the settings below, readable
+    DIR/<settings digest>/<ab>/<sha256>.safetensors   one image's tokens (<ab>: the hash's first 2 hex)
+
+The settings digest is the SHA-256 of the canonical JSON of :func:`cache_settings`: the cache
+format, the weights' hash (encoder, and projector when projected tokens are stored, as
+``run.json`` records it), the processor's ``to_dict()``, the dtype, the stored kinds, the
+max patches per pack (an image over it is scaled down) and the compute description of
+``run.json`` (threads, torch version, device type, CPU kernel level). An entry holds one tensor
+per stored kind and, as metadata, the settings digest, the content hash and the SHA-256 of its
+tensors' bytes; an entry whose metadata or bytes do not match is a miss (counted as corrupt),
+and is encoded again and rewritten. Entries are written atomically (temporary name, rename), so
+concurrent writers of the same entry are harmless.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from moonvit.files import save_safetensors_atomic, write_text_atomic
+
+from .plan import ExportItem
+
+__all__ = ["CACHE_FORMAT", "TokenCache", "cache_settings", "cacheable", "duplicate_sources", "tokens_sha256"]
+
+CACHE_FORMAT = "moonvit-export-cache/1"
+
+
+def cacheable(entry: ExportItem) -> bool:
+    """An image planned for export (one item, not a video chunk) with a content hash."""
+    return entry.reason is None and entry.sha256 is not None and len(entry.items) == 1 and entry.items[0].chunk is None
+
+
+def duplicate_sources(planned: Sequence[ExportItem]) -> dict[int, int]:
+    """Input position of each later copy of an image -> the position of its first copy (same
+    content hash), planned from the listing in order: the first occurrence is the one encoded."""
+    first: dict[str, int] = {}
+    sources: dict[int, int] = {}
+    for position, entry in enumerate(planned):
+        if not cacheable(entry):
+            continue
+        assert entry.sha256 is not None
+        if entry.sha256 in first:
+            sources[position] = first[entry.sha256]
+        else:
+            first[entry.sha256] = position
+    return sources
+
+
+def cache_settings(
+    weights_sha256: str,
+    processor: Mapping[str, Any],
+    dtype: str,
+    store: Sequence[str],
+    max_patches_per_pack: int,
+    compute: Mapping[str, Any],
+) -> dict[str, Any]:
+    """What an image's tokens depend on besides its bytes: the key of a cache folder."""
+    settings = {
+        "format": CACHE_FORMAT,
+        "weights_sha256": weights_sha256,
+        "processor": dict(processor),
+        "dtype": dtype,
+        "store": list(store),
+        "max_patches_per_pack": max_patches_per_pack,
+        "compute": dict(compute),
+    }
+    return dict(json.loads(json.dumps(settings)))
+
+
+def tokens_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 of the tensors' names, dtypes, shapes and bytes, by name."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{list(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class TokenCache:
+    """The tokens of images by content hash, for one settings digest (see the module docstring)."""
+
+    def __init__(self, root: Path, settings: Mapping[str, Any]) -> None:
+        self.settings = dict(settings)
+        self.digest = hashlib.sha256(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()
+        self.folder = Path(root) / self.digest
+        self.kinds = tuple(self.settings["store"])
+        self.hits = 0
+        self.misses = 0
+        self.corrupt = 0
+        self.written = 0
+
+    def path(self, sha256: str) -> Path:
+        return self.folder / sha256[:2] / f"{sha256}.safetensors"
+
+    def load(self, sha256: str) -> dict[str, torch.Tensor] | None:
+        """The stored tokens of the image with this content hash, or None (a miss: absent, or an
+        entry that fails its checks, counted in :attr:`corrupt`)."""
+        path = self.path(sha256)
+        if not path.is_file():
+            self.misses += 1
+            return None
+        try:
+            with safe_open(path, framework="pt") as handle:
+                metadata = handle.metadata() or {}
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+            valid = (
+                metadata.get("settings") == self.digest
+                and metadata.get("sha256") == sha256
+                and set(tensors) == set(self.kinds)
+                and len({len(t) for t in tensors.values()}) == 1
+                and metadata.get("tokens_sha256") == tokens_sha256(tensors)
+            )
+        except Exception:  # a truncated or garbled file: any error of the reader
+            valid = False
+        if not valid:
+            self.corrupt += 1
+            self.misses += 1
+            return None
+        self.hits += 1
+        return tensors
+
+    def save(self, sha256: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Store one image's tokens (each kind (n, ...)) atomically."""
+        settings_file = self.folder / "settings.json"
+        if not settings_file.is_file():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(settings_file, json.dumps(self.settings, indent=2, sort_keys=True) + "\n")
+        stored = {kind: tensors[kind].contiguous() for kind in self.kinds}
+        path = self.path(sha256)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        metadata = {"settings": self.digest, "sha256": sha256, "tokens_sha256": tokens_sha256(stored)}
+        save_safetensors_atomic(stored, path, metadata=metadata)
+        self.written += 1
