@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from common import host_line, mib, peak_extra_bytes, seconds, write_report
 
-from moonvit import MoonViT, preset_config
+from moonvit import MoonViT, MoonViTImageProcessor, preset_config
 from moonvit.cli import DTYPES, apply_threads, dtype_name, output_file, positive_int
 from moonvit.model.attention import register_attention, resolve_attn_implementation
 from moonvit.model.grid import PackedGrid
@@ -74,12 +74,8 @@ STOCK = "locateanything_stock_sdpa"
 def locateanything_grid(width: int, height: int) -> tuple[int, int]:
     """(rows, cols) of patches LocateAnything's processor gives a width x height image: scaled down
     (bicubic, int truncation) when over the token limit, then stretched up to multiples of 28."""
-    patches = (width // PATCH) * (height // PATCH)
-    if patches > TOKEN_LIMIT:
-        scale = math.sqrt(TOKEN_LIMIT / patches)
-        width, height = int(width * scale), int(height * scale)
-    side = 2 * PATCH
-    return math.ceil(height / side) * side // PATCH, math.ceil(width / side) * side // PATCH
+    rows, cols = MoonViTImageProcessor.locateanything(in_token_limit=TOKEN_LIMIT).plan_image(width, height).grid_hw
+    return rows, cols
 
 
 def stock_sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: PackedGrid) -> torch.Tensor:

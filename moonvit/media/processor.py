@@ -41,6 +41,7 @@ from PIL import Image
 from ..files import write_text_atomic
 from ..model.config import merge_kernel
 from ..weights.config_keys import warn_unread_keys
+from ..weights.formats import LOCATEANYTHING
 from ..weights.hub import HubSnapshot, resolve_pretrained
 from ..weights.storage import CheckpointError, read_json
 from .image import (
@@ -273,7 +274,7 @@ class MoonViTImageProcessor:
             raise CheckpointError(f"processor config path {path} does not exist")
         file = path / CONFIG_NAME if path.is_dir() else path
         if path.is_dir() and not file.is_file():
-            if _model_type(path) == "locateanything":
+            if _model_type(path) == LOCATEANYTHING:
                 logger.info("no %s in %s: using LocateAnything's processor settings", CONFIG_NAME, path)
                 return cls.locateanything(**overrides)
             logger.info("no %s in %s: using the default processor settings", CONFIG_NAME, path)
@@ -509,7 +510,7 @@ def image_settings_form(config: dict[str, Any], *, model_type: str | None = None
         return "transformers"
     auto_map = config.get("auto_map")
     names = auto_map.values() if isinstance(auto_map, dict) else ()
-    if model_type == "locateanything" or any("locateanything" in str(name).lower() for name in names):
+    if model_type == LOCATEANYTHING or any(LOCATEANYTHING in str(name).lower() for name in names):
         return "locateanything"
     return "flat"
 
