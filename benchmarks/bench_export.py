@@ -5,10 +5,14 @@ with ``--in-token-limit``) and ``--images`` JPEG files of assorted sizes (thumbn
 in a temporary folder, then times one export into an empty output folder (loading, planning,
 decoding, encoding, projecting, writing shards and the manifest) and a rerun of the finished
 export (which only checks run.json and reassembles the manifest). With ``--workers 0 1 2`` the
-export runs once per count into folders of its own, side by side: the share of the encode loop
-spent waiting for decoded images, images/s, and whether the folders are byte-identical.
+export runs once per count into folders of its own, side by side: the share of the encoder's
+time spent waiting for decoded images, images/s, and whether the folders are byte-identical.
+With ``--engines local ray`` each count runs on both engines (``--engine ray``: decoding in Ray
+CPU tasks, ``--workers`` at once, encoding in ``--encoder-actors`` actors, a local Ray started
+and stopped by the export), so the price of the Ray pipeline on one machine is read off one run.
 
 Example: python benchmarks/bench_export.py --threads 2 --workers 0 1
+         python benchmarks/bench_export.py --threads 2 --preset small --workers 1 2 --engines local ray
 """
 
 from __future__ import annotations
@@ -83,8 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_budget_argument(parser, default=4096)
     parser.add_argument(
         "--workers", type=non_negative_int, nargs="+", default=[0],
-        help="decoding threads to compare, one export each (default: 0)",
+        help="decoding threads (Ray: decoding tasks at once) to compare, one export each (default: 0)",
     )  # fmt: skip
+    parser.add_argument(
+        "--engines", nargs="+", choices=["local", "ray"], default=["local"],
+        help="export engines to compare, each with every --workers count (default: local)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--encoder-actors", type=positive_int, default=1, help="--engine ray's encoder actors (default: 1)"
+    )
     return parser
 
 
@@ -104,38 +115,48 @@ def main(argv: list[str] | None = None) -> None:
         common += ["--dtype", args.dtype, "--shard-size", str(args.shard_size), "--device", "cpu"]
         common += ["--max-patches-per-pack", str(args.max_patches_per_pack), "--threads", str(torch.get_num_threads())]
         runs = {}
-        for workers in args.workers:
-            out = root / f"out-{workers}"
-            command = [*common, "--out", str(out), "--workers", str(workers)]
-            start = time.perf_counter()
-            summary = export_main(command)
-            wall = time.perf_counter() - start
-            start = time.perf_counter()
-            export_main(command)
-            rerun = time.perf_counter() - start
-            shard_bytes = sum(p.stat().st_size for p in out.glob("shard-*.safetensors"))
-            runs[workers] = (summary, wall, rerun, shard_bytes, folder_bytes(out))
+        for engine in args.engines:
+            for workers in args.workers:
+                out = root / f"out-{engine}-{workers}"
+                command = [*common, "--out", str(out), "--workers", str(workers), "--engine", engine]
+                if engine == "ray":
+                    command += ["--encoder-actors", str(args.encoder_actors)]
+                start = time.perf_counter()
+                summary = export_main(command)
+                wall = time.perf_counter() - start
+                start = time.perf_counter()
+                export_main(command)
+                rerun = time.perf_counter() - start
+                shard_bytes = sum(p.stat().st_size for p in out.glob("shard-*.safetensors"))
+                runs[engine, workers] = (summary, wall, rerun, shard_bytes, folder_bytes(out))
 
-    first = runs[args.workers[0]][4]
-    for workers, (summary, wall, rerun, shard_bytes, files) in runs.items():
+    first_key = next(iter(runs))
+    first = runs[first_key][4]
+    rates = {key: run[0]["images_per_s"] for key, run in runs.items()}
+    for (engine, workers), (summary, wall, rerun, shard_bytes, files) in runs.items():
+        actors = f", {args.encoder_actors} encoder actor{'s' * (args.encoder_actors != 1)}" if engine == "ray" else ""
         print(
             f"\nexport of {summary['images']} images ({summary['failed']} failed), preset {args.preset}, "
-            f"store {args.store}, {args.dtype}, {torch.get_num_threads()} threads, --workers {workers}"
+            f"store {args.store}, {args.dtype}, {torch.get_num_threads()} threads, --engine {engine}, "
+            f"--workers {workers}{actors}"
         )
+        versus = ""
+        if engine == "ray" and ("local", workers) in rates:
+            versus = f"; {rates['ray', workers] / rates['local', workers]:.2f}x the local engine's"
         print(
             f"  encode loop: {summary['images_per_s']:.1f} images/s, {summary['tokens_per_s']:.0f} tokens/s "
-            f"({summary['tokens_this_run']} tokens in {summary['seconds']:.2f} s); "
-            f"{summary['data_share']:.0%} of it waiting for decoded images"
+            f"({summary['tokens_this_run']} tokens in {summary['seconds']:.2f} s{versus}); "
+            f"the encoder waited for decoded images {summary['data_share']:.0%} of its time"
         )
         print(
-            f"  whole command (load, plan, encode, write, assemble): {wall:.2f} s, "
-            f"{summary['images'] / wall:.1f} images/s; shards {shard_bytes / 2**20:.1f} MiB"
+            f"  whole command (load, plan, {'start Ray, ' if engine == 'ray' else ''}encode, write, assemble): "
+            f"{wall:.2f} s, {summary['images'] / wall:.1f} images/s; shards {shard_bytes / 2**20:.1f} MiB"
         )
         print(f"  rerun of the finished export: {rerun:.2f} s")
-        if workers != args.workers[0]:
-            # run.json names no worker count, so the folders compare whole
+        if (engine, workers) != first_key:
+            # run.json names neither the engine nor the worker count, so the folders compare whole
             same = "byte-identical to" if files == first else "DIFFERENT from"
-            print(f"  output folder {same} --workers {args.workers[0]}'s")
+            print(f"  output folder {same} --engine {first_key[0]} --workers {first_key[1]}'s")
 
 
 if __name__ == "__main__":

@@ -40,14 +40,21 @@ read; an entry that fails its checks (its recorded settings, content hash and to
 encoded again and rewritten. ``--cache`` is not in ``run.json``: a run resumed with or without it
 is the same run. The summary counts the copies not encoded and the images reused from the cache.
 
+``--engine ray`` (:mod:`.ray_engine`) computes the same packs in a Ray Data pipeline: decoding in
+CPU tasks, encoding in a pool of ``--encoder-actors`` actors that hold the models once, each shard
+written by the driver when its last pack is back; for the same ``run.json`` the folder is the
+local engine's, byte for byte. The engine is not in ``run.json``: a run started on one engine can
+be finished on the other.
+
 An input with nothing to export (no image files, or no image that can be planned) is an error,
 and so is a run that exports no image at all; files skipped for their extension are counted.
 
 The package by job: :mod:`.settings` (the typed :class:`ExportRun`), :mod:`.inputs` (what
 ``--inputs`` names, the ids, the listing's hash), :mod:`.models`, :mod:`.plan` (items and shards
 planned from the file headers), :mod:`.cache` (duplicates and the token store, for any engine),
-:mod:`.shards` (a shard and its part written atomically, the
-manifest assembled), :mod:`.run` (``run.json``, resume, the ranks, the summary) and :mod:`.cli`.
+:mod:`.shards` (a shard's work, its tokens and part written atomically, the
+manifest assembled), :mod:`.ray_engine` (the Ray pipeline; the only module that imports Ray),
+:mod:`.run` (``run.json``, resume, the ranks, the summary) and :mod:`.cli`.
 """
 
 from __future__ import annotations
@@ -59,22 +66,26 @@ from .cli import build_parser, export_run, main
 from .inputs import InputImage, Inputs, listing_sha256, read_inputs, scan_inputs
 from .models import Models, load_models
 from .plan import ExportItem, plan_all, plan_input, shard_ranges, split_balanced
-from .run import Progress, claim_output, describe_run, export, export_rank
-from .settings import STORES, ExportError, ExportRun
+from .run import Progress, claim_output, describe_run, export, export_on_ray, export_rank
+from .settings import ENGINES, STORES, ExportError, ExportRun
 from .shards import (
     ShardResult,
+    ShardWork,
     assemble,
     export_shard,
+    finish_shard,
     item_id,
     manifest_counts,
     manifest_line,
     part_path,
     shard_name,
+    shard_work,
     stored_tensors,
 )
 
 __all__ = [
     "CACHE_FORMAT",
+    "ENGINES",
     "STORES",
     "ExportError",
     "ExportItem",
@@ -85,6 +96,7 @@ __all__ = [
     "Progress",
     "TokenCache",
     "ShardResult",
+    "ShardWork",
     "assemble",
     "build_parser",
     "cache_settings",
@@ -94,9 +106,11 @@ __all__ = [
     "differences",
     "duplicate_sources",
     "export",
+    "export_on_ray",
     "export_rank",
     "export_run",
     "export_shard",
+    "finish_shard",
     "item_id",
     "listing_sha256",
     "load_models",
@@ -110,6 +124,7 @@ __all__ = [
     "scan_inputs",
     "shard_name",
     "shard_ranges",
+    "shard_work",
     "split_balanced",
     "stored_tensors",
     "tokens_sha256",

@@ -22,7 +22,7 @@ from moonvit.cli import (
 )
 
 from .run import export
-from .settings import STORES, ExportError, ExportRun
+from .settings import ENGINES, STORES, ExportError, ExportRun
 
 __all__ = ["build_parser", "export_run", "main"]
 
@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m projector.export",
         description=DESCRIPTION,
-        epilog="Data-parallel: torchrun --nproc-per-node K -m projector.export ...",
+        epilog="Data-parallel: torchrun --nproc-per-node K -m projector.export ...; "
+        "past one machine: --engine ray --ray-address auto",
     )
     parser.add_argument(
         "--inputs",
@@ -68,6 +69,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="content-addressed token store: images whose tokens it holds for these settings are not "
         "encoded again (not part of run.json: resuming with or without it is the same run)",
     )
+    engine = parser.add_argument_group("engine")
+    engine.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="local",
+        help="local: this process (or torchrun's ranks); ray: packs decoded in Ray CPU tasks (--workers "
+        "of them) and encoded by a pool of encoder actors; the same output bytes (default: local)",
+    )
+    engine.add_argument(
+        "--encoder-actors",
+        type=positive_int,
+        default=1,
+        help="--engine ray: encoder actors, each holding the models once (one GPU each on CUDA) (default: 1)",
+    )
+    engine.add_argument(
+        "--ray-address",
+        default=None,
+        help="--engine ray: join this cluster (auto, or host:port); without it a local Ray is started and stopped",
+    )
     return parser
 
 
@@ -86,11 +106,13 @@ def export_run(args: argparse.Namespace) -> ExportRun:
         threads=args.threads,
         workers=args.workers,
         cache=args.cache,
+        engine=args.engine,
+        encoder_actors=args.encoder_actors,
+        ray_address=args.ray_address,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = build_parser()
-    run = export_run(parser.parse_args(argv))
     with one_line_warnings(), exit_on(parser, ExportError):
-        return export(run)
+        return export(export_run(parser.parse_args(argv)))

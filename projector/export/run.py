@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,9 @@ from .inputs import InputImage, Inputs, listing_sha256, scan_inputs
 from .models import Models, load_models
 from .plan import ExportItem, plan_all, shard_ranges, split_balanced
 from .settings import ExportError, ExportRun
-from .shards import assemble, export_shard, part_path
+from .shards import ShardResult, assemble, export_shard, part_path, shard_work
 
-__all__ = ["Progress", "claim_output", "describe_run", "export", "export_rank"]
+__all__ = ["Progress", "claim_output", "describe_run", "export", "export_on_ray", "export_rank"]
 
 
 def describe_run(run: ExportRun, models: Models, images: Sequence[InputImage], device: torch.device) -> dict[str, Any]:
@@ -96,10 +97,23 @@ class Progress:
     tokens: int = 0
     seconds: float = 0.0
     data_s: float = 0.0
+    """Seconds the encoder waited for decoded packs (summed over the actors on Ray)."""
+    encode_s: float = 0.0
+    """Seconds the encoder was busy (on Ray, summed over the actors)."""
     encoded: int = 0
     duplicates: int = 0
     cached: int = 0
     cache_corrupt: int = 0
+
+    def add(self, result: ShardResult, seconds: float) -> None:
+        """Count a written shard; ``seconds`` since the start."""
+        self.encoded += result.encoded
+        self.duplicates += result.duplicates
+        self.cached += result.cached
+        self.images += len(result.images)
+        self.failed += len(result.failures)
+        self.tokens += result.num_tokens
+        self.seconds = seconds
 
 
 def export_rank(
@@ -125,26 +139,70 @@ def export_rank(
                 k, shard, models, run.kinds, run.max_patches_per_pack, run.out, run.workers, duplicates, cache
             )
             progress.data_s += result.data_s
-            progress.encoded += result.encoded
-            progress.duplicates += result.duplicates
-            progress.cached += result.cached
-            progress.images += len(result.images)
-            progress.failed += len(result.failures)
-            progress.tokens += result.num_tokens
-            progress.seconds = time.perf_counter() - start
+            progress.add(result, time.perf_counter() - start)
             bar.update(len(layout[k]))
             bar.set_postfix(
                 img_s=f"{(progress.images + progress.failed) / progress.seconds:.1f}",
                 tok_s=f"{progress.tokens / progress.seconds:.0f}",
             )
     progress.seconds = time.perf_counter() - start
+    progress.encode_s = progress.seconds - progress.data_s
     progress.cache_corrupt = cache.corrupt if cache is not None else 0
     return progress
 
 
-def export(run: ExportRun) -> dict[str, Any]:
-    """Run the export ``run`` describes; returns the summary (on every rank)."""
+def export_on_ray(
+    shards: Sequence[int],
+    layout: Sequence[range],
+    planned: Sequence[ExportItem],
+    models: Models,
+    run: ExportRun,
+    description: Mapping[str, Any],
+    duplicates: Mapping[int, str] | None = None,
+    cache: TokenCache | None = None,
+    on_pack: Callable[[int], None] | None = None,
+) -> Progress:
+    """:func:`export_rank` on Ray (:mod:`.ray_engine`): the shards with no part file yet, their
+    packs encoded by ``run.encoder_actors`` actors; ``on_pack`` as :func:`.ray_engine.encode_on_ray`."""
+    from .ray_engine import encode_on_ray, ray_session
+
+    pending = [k for k in shards if not part_path(run.out, k).is_file()]
+    works = [shard_work(k, [planned[i] for i in layout[k]], duplicates, cache) for k in pending]
+    source = {
+        "checkpoint": str(run.checkpoint),
+        "processor_overrides": _processor_overrides(run),
+        "compute": description["compute"],
+        "weights_sha256": models.checkpoint_sha256,
+        "processor": models.processor,
+        "video_processor": models.video_processor,
+    }
+    progress = Progress()
+    if not works:  # every shard is done: nothing for Ray to do
+        return progress
+    with ray_session(run.ray_address, max(1, run.workers) + run.encoder_actors):
+        start = time.perf_counter()  # Ray is up: from here on the pipeline, the actors' start included
+        results, progress.data_s, progress.encode_s = encode_on_ray(
+            works, run, source, True, duplicates, cache, on_pack
+        )
+        progress.seconds = time.perf_counter() - start
+    for result in results:
+        progress.add(result, progress.seconds)
+    progress.cache_corrupt = cache.corrupt if cache is not None else 0
+    return progress
+
+
+def _processor_overrides(run: ExportRun) -> dict[str, Any]:
+    return {} if run.side_limit_mode is None else {"side_limit_mode": run.side_limit_mode}
+
+
+def export(run: ExportRun, on_pack: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Run the export ``run`` describes; returns the summary (on every rank). ``on_pack``: see
+    :func:`export_on_ray` (the Ray engine only)."""
     apply_threads(run.threads)
+    if run.engine == "ray":
+        if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+            raise ExportError("--engine ray runs from one driver process; launch it without torchrun")
+        return _export(run, Ranks(), torch.device(run.device), on_pack)
     ranks, device = init_ranks(run.device)
     try:
         return _export(run, ranks, device)
@@ -152,11 +210,14 @@ def export(run: ExportRun) -> dict[str, Any]:
         close_ranks()
 
 
-def _export(run: ExportRun, ranks: Ranks, device: torch.device) -> dict[str, Any]:
+def _export(
+    run: ExportRun, ranks: Ranks, device: torch.device, on_pack: Callable[[int], None] | None = None
+) -> dict[str, Any]:
     inputs = scan_inputs(run.inputs)
     images = inputs.images
-    overrides = {} if run.side_limit_mode is None else {"side_limit_mode": run.side_limit_mode}
-    models = load_models(run.checkpoint, run.kinds, torch_dtype(run.dtype), device, overrides)
+    # on Ray the driver plans and writes, the actors encode: its own copy stays on the CPU
+    here = torch.device("cpu") if run.engine == "ray" else device
+    models = load_models(run.checkpoint, run.kinds, torch_dtype(run.dtype), here, _processor_overrides(run))
     smallest = models.encoder.config.tokens_per_merge
     if run.max_patches_per_pack < smallest:
         raise ExportError(f"--max-patches-per-pack {run.max_patches_per_pack} is below one merged token ({smallest})")
@@ -188,7 +249,10 @@ def _export(run: ExportRun, ranks: Ranks, device: torch.device) -> dict[str, Any
             description["compute"],
         )
         cache = TokenCache(run.cache, settings)
-    progress = export_rank(mine, layout, planned, models, run, ranks.is_main, duplicates, cache)
+    if run.engine == "ray":
+        progress = export_on_ray(mine, layout, planned, models, run, description, duplicates, cache, on_pack)
+    else:
+        progress = export_rank(mine, layout, planned, models, run, ranks.is_main, duplicates, cache)
     everyone = ranks.all_gather(progress)  # also the barrier before assembling
     summary = None
     if ranks.is_main:
@@ -219,14 +283,19 @@ def _summary(
         "seconds": seconds,
         "images_per_s": done / seconds if seconds else 0.0,
         "tokens_per_s": tokens / seconds if seconds else 0.0,
-        # the share of the encode loop spent waiting for decoded packs (rank 0's when several)
-        "data_share": progress[0].data_s / progress[0].seconds if progress[0].seconds else 0.0,
+        # the share of the encoder's time spent waiting for decoded packs (rank 0's when several;
+        # on Ray, over all the actors)
+        "data_share": _share(progress[0].data_s, progress[0].data_s + progress[0].encode_s),
         # each image encoded once: items encoded, later copies of an image, tokens read from --cache
         "encoded_this_run": sum(p.encoded for p in progress),
         "duplicates_this_run": sum(p.duplicates for p in progress),
         "cache_reused_this_run": sum(p.cached for p in progress),
         "cache_corrupt_this_run": sum(p.cache_corrupt for p in progress),
     }
+
+
+def _share(part: float, whole: float) -> float:
+    return part / whole if whole > 0 else 0.0
 
 
 def _summary_line(summary: dict[str, Any], out: Path, inputs: Inputs) -> str:

@@ -8,7 +8,10 @@ from pathlib import Path
 from moonvit.cli import default_device
 from moonvit.media.packing import DEFAULT_MAX_PATCHES_PER_PACK
 
-__all__ = ["STORES", "ExportError", "ExportRun"]
+__all__ = ["ENGINES", "STORES", "ExportError", "ExportRun"]
+
+ENGINES = ("local", "ray")
+"""``--engine``'s choices."""
 
 STORES = {"merged": ("merged",), "projected": ("projected",), "both": ("merged", "projected")}
 """``--store`` -> the tensor kinds each shard holds."""
@@ -46,6 +49,21 @@ class ExportRun:
     """Threads decoding the next packs while one encodes (the same bytes as 0)."""
     cache: Path | None = None
     """Content-addressed token store (:mod:`projector.export.cache`), or None; not run-defining."""
+    engine: str = "local"
+    """``local`` (this process, or torchrun's ranks) or ``ray`` (:mod:`projector.export.ray_engine`);
+    not run-defining: both write the same bytes."""
+    encoder_actors: int = 1
+    """``--engine ray``: encoder actors (one GPU each on CUDA)."""
+    ray_address: str | None = None
+    """``--engine ray``: the cluster to join (``auto`` or ``host:port``); None starts a local Ray."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ExportError(f"engine {self.engine!r}: expected one of {', '.join(ENGINES)}")
+        if self.engine != "ray" and (self.encoder_actors != 1 or self.ray_address is not None):
+            raise ExportError("--encoder-actors and --ray-address are settings of --engine ray")
+        if self.encoder_actors < 1:
+            raise ExportError(f"--encoder-actors {self.encoder_actors}: expected at least 1")
 
     @property
     def kinds(self) -> tuple[str, ...]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from safetensors import safe_open
 from moonvit import PackItem
 from moonvit.encode import EncodedPack, encode_processed, processed_packs
 from moonvit.files import save_safetensors_atomic, write_text_atomic
-from moonvit.media.packing import group_into_packs
+from moonvit.media.packing import Pack, group_into_packs
 from moonvit.names import path_record
 
 from ..token_folder import FAILURES_FILE, MANIFEST_FILE, PARTS_DIR
@@ -29,14 +29,18 @@ from .models import Models
 from .plan import ExportItem
 
 __all__ = [
+    "Key",
     "ShardResult",
+    "ShardWork",
     "assemble",
     "export_shard",
+    "finish_shard",
     "item_id",
     "manifest_counts",
     "manifest_line",
     "part_path",
     "shard_name",
+    "shard_work",
     "stored_tensors",
 ]
 
@@ -71,6 +75,69 @@ class ShardResult:
         return sum(entry["num_tokens"] for entry in self.images if "duplicate_of" not in entry)
 
 
+Key = tuple[int, int | None]
+"""An item's :attr:`~moonvit.PackItem.key`: (input position, video chunk or None)."""
+
+
+@dataclass
+class ShardWork:
+    """One shard on its way to disk: what must be encoded, and what has come back so far.
+
+    Made by :func:`shard_work`; the engine fills ``tensors`` / ``reasons`` pack by pack (from its
+    own forwards, in this process or elsewhere) and :func:`finish_shard` writes it.
+    """
+
+    index: int
+    planned: Sequence[ExportItem]
+    """The shard's inputs, in input order."""
+    to_encode: list[ExportItem]
+    """The inputs that need a forward (not failed at planning, not a later copy, not in the cache)."""
+    tensors: dict[Key, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """Per item key, its stored kinds (from the cache, then from the forwards)."""
+    reasons: dict[Key, str] = field(default_factory=dict)
+    """Per item key, why it could not be decoded."""
+    cached: int = 0
+    encoded: int = 0
+    data_s: float = 0.0
+
+    def packs(self, budget: int) -> list[Pack]:
+        """The packs of ``to_encode`` under ``budget``: the same packs whichever engine encodes them."""
+        return list(group_into_packs((item for entry in self.to_encode for item in entry.items), budget))
+
+    def add(self, tensors: Mapping[Key, dict[str, torch.Tensor]], failures: Mapping[Key, str]) -> None:
+        """One pack's result: each encoded item's stored kinds (:func:`stored_tensors`), the failures."""
+        self.tensors.update(tensors)
+        self.reasons.update(failures)
+        self.encoded += len(tensors)
+
+
+def shard_work(
+    index: int,
+    planned: Sequence[ExportItem],
+    duplicates: Mapping[int, str] | None = None,
+    cache: TokenCache | None = None,
+) -> ShardWork:
+    """Shard ``index``'s inputs split into those to encode and those that need no forward.
+
+    ``duplicates`` maps the input position of a later copy of an image to the first copy's id
+    (:func:`.cache.duplicate_sources`): it is not encoded. With ``cache`` an image's tokens are
+    read from it when there."""
+    duplicates = duplicates or {}
+    work = ShardWork(index, planned, [])
+    for entry in planned:
+        if entry.reason is not None or (cacheable(entry) and entry.items[0].index in duplicates):
+            continue
+        if cache is not None and cacheable(entry):
+            assert entry.sha256 is not None
+            hit = cache.load(entry.sha256)
+            if hit is not None:
+                work.tensors[entry.items[0].key] = hit
+                work.cached += 1
+                continue
+        work.to_encode.append(entry)
+    return work
+
+
 def export_shard(
     index: int,
     planned: Sequence[ExportItem],
@@ -82,55 +149,46 @@ def export_shard(
     duplicates: Mapping[int, str] | None = None,
     cache: TokenCache | None = None,
 ) -> ShardResult:
-    """Encode one shard's inputs, then write its tensors and its part file, each atomically.
-    ``workers`` threads decode the next packs while one encodes (the same bytes as 0).
-
-    ``duplicates`` maps the input position of a later copy of an image to the first copy's id
-    (:func:`.cache.duplicate_sources`): it is not encoded. With ``cache`` an image's tokens are
-    read from it when there, and written to it when encoded here."""
-    duplicates = duplicates or {}
-    Key = tuple[int, int | None]
-    tensors: dict[Key, dict[str, torch.Tensor]] = {}
-    reasons: dict[Key, str] = {}
-    to_encode: list[ExportItem] = []
-    cached = 0
-    for entry in planned:
-        if entry.reason is not None or (cacheable(entry) and entry.items[0].index in duplicates):
-            continue
-        if cache is not None and cacheable(entry):
-            assert entry.sha256 is not None
-            hit = cache.load(entry.sha256)
-            if hit is not None:
-                tensors[entry.items[0].key] = hit
-                cached += 1
-                continue
-        to_encode.append(entry)
+    """Encode one shard's inputs in this process, then write its tensors and part file
+    (:func:`finish_shard`). ``workers`` threads decode the next packs while one encodes (the
+    same bytes as 0); ``duplicates`` and ``cache`` as :func:`shard_work` takes them."""
+    work = shard_work(index, planned, duplicates, cache)
     packs = processed_packs(
         models.processor,
-        group_into_packs((item for p in to_encode for item in p.items), budget),
+        work.packs(budget),
         workers=workers,
         skip_errors=True,
         video_processor=models.video_processor,
     )
-    data_s, ready, encoded_items = 0.0, time.perf_counter(), 0
+    ready = time.perf_counter()
     for _, processed in packs:
-        data_s += time.perf_counter() - ready  # waiting for this pack's pixels
+        work.data_s += time.perf_counter() - ready  # waiting for this pack's pixels
         encoded = encode_processed(models.encoder, processed)
-        reasons.update(encoded.failures)
-        if encoded.items:
-            encoded_items += len(encoded.items)
-            tensors.update(stored_tensors(encoded, models, store))
+        work.add(stored_tensors(encoded, models, store) if encoded.items else {}, encoded.failures)
         ready = time.perf_counter()
+    return finish_shard(work, store, out, duplicates, cache)
+
+
+def finish_shard(
+    work: ShardWork,
+    store: Sequence[str],
+    out: Path,
+    duplicates: Mapping[int, str] | None = None,
+    cache: TokenCache | None = None,
+) -> ShardResult:
+    """Write a shard whose every pack has come back: the images encoded here go to ``cache``,
+    the tokens to ``shard-k.safetensors`` and the lines to its part file, each atomically."""
+    duplicates = duplicates or {}
     if cache is not None:
-        for entry in to_encode:
-            if cacheable(entry) and entry.items[0].key in tensors:
+        for entry in work.to_encode:
+            if cacheable(entry) and entry.items[0].key in work.tensors:
                 assert entry.sha256 is not None
-                cache.save(entry.sha256, tensors[entry.items[0].key])
+                cache.save(entry.sha256, work.tensors[entry.items[0].key])
     lines: list[dict[str, Any]] = []
     failures: list[dict[str, Any]] = []
     stored: dict[str, list[torch.Tensor]] = {kind: [] for kind in store}
     offset = 0
-    for entry in planned:
+    for entry in work.planned:
         if entry.reason is not None:
             failures.append({"id": entry.image.id, **path_record(entry.image.path), "reason": entry.reason})
             continue
@@ -140,28 +198,27 @@ def export_shard(
             continue
         assert entry.sha256 is not None
         for item in entry.items:
-            if item.key in reasons:
-                reason = reasons[item.key]
+            if item.key in work.reasons:
+                reason = work.reasons[item.key]
                 failures.append({"id": item_id(entry, item), **path_record(entry.image.path), "reason": reason})
                 continue
-            result = tensors[item.key]
+            result = work.tensors[item.key]
             num_tokens = len(result[store[0]])
-            lines.append(manifest_line(entry, item, entry.sha256, num_tokens, shard_name(index), offset))
+            lines.append(manifest_line(entry, item, entry.sha256, num_tokens, shard_name(work.index), offset))
             offset += num_tokens
             for kind in store:
                 stored[kind].append(result[kind])
     if offset:
-        save_safetensors_atomic({kind: torch.cat(parts) for kind, parts in stored.items()}, out / shard_name(index))
-    part = part_path(out, index)
+        tensors = {kind: torch.cat(parts) for kind, parts in stored.items()}
+        save_safetensors_atomic(tensors, out / shard_name(work.index))
+    part = part_path(out, work.index)
     part.parent.mkdir(exist_ok=True)
     write_text_atomic(part, json.dumps({"images": lines, "failures": failures}) + "\n")
     copies = sum(1 for line in lines if "duplicate_of" in line)
-    return ShardResult(lines, failures, data_s, encoded_items, copies, cached)
+    return ShardResult(lines, failures, work.data_s, work.encoded, copies, work.cached)
 
 
-def stored_tensors(
-    encoded: EncodedPack, models: Models, store: Sequence[str]
-) -> dict[tuple[int, int | None], dict[str, torch.Tensor]]:
+def stored_tensors(encoded: EncodedPack, models: Models, store: Sequence[str]) -> dict[Key, dict[str, torch.Tensor]]:
     """Per item key, the kinds to store on the CPU: ``merged`` (n_i, 4, D) and / or
     ``projected`` (n_i, llm_hidden), n_i = rows_i * cols_i / 4, in the export dtype."""
     outputs = {"merged": encoded.merged}

@@ -1,0 +1,212 @@
+"""`python -m projector.export --engine ray`: the local engine's bytes, through faults, on a local Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make_checkpoint, run_export, write_images
+
+from projector.export import ExportError, ExportRun, export
+from projector.export.ray_engine import EncodePacks
+
+ray = pytest.importorskip("ray")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def folder_bytes(out: Path) -> dict[str, bytes]:
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray for the module's in-process exports (the engine keeps a caller's connection)."""
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    """Mixed sizes (some over the token limit, PNG and JPEG, a subfolder), a broken file, a file
+    that is not an image by extension, and two copies of one image in different shards."""
+    folder = tmp_path_factory.mktemp("ray_images")
+    paths = write_images(folder, 10, seed=7)
+    (folder / "broken.jpg").write_bytes(b"not a jpeg")
+    (folder / "notes.txt").write_text("skipped")
+    shutil.copyfile(paths[1], folder / "zz_copy.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def local_output(tmp_path_factory, checkpoint, images) -> Path:
+    out = tmp_path_factory.mktemp("local") / "out"
+    run_export(*common(images, checkpoint), "--out", out)
+    return out
+
+
+def common(images: Path, checkpoint: Path) -> list[str | Path]:
+    # a small pack budget: several packs per shard, and more packs than actors
+    return ["--inputs", images, "--checkpoint", checkpoint, "--shard-size", "3", "--max-patches-per-pack", "128"]
+
+
+def ray_run(images: Path, checkpoint: Path, out: Path, **settings) -> ExportRun:
+    return ExportRun(
+        inputs=images,
+        checkpoint=str(checkpoint),
+        out=out,
+        max_patches_per_pack=128,
+        shard_size=3,
+        device="cpu",
+        threads=1,
+        engine="ray",
+        **settings,
+    )
+
+
+def with_threads(function, *args, **kwargs):
+    previous = torch.get_num_threads()
+    try:
+        return function(*args, **kwargs)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_the_ray_engine_writes_the_local_engine_s_bytes(local_ray, tmp_path, checkpoint, images, local_output):
+    out = tmp_path / "out"
+    summary = run_export(*common(images, checkpoint), "--out", out, "--engine", "ray", "--workers", "2")
+    assert folder_bytes(out) == folder_bytes(local_output)
+    assert summary["images"] == 11 and summary["failed"] == 1 and summary["skipped"] == {".txt": 1}
+    assert summary["encoded_this_run"] == 10 and summary["duplicates_this_run"] == 1
+    assert 0.0 <= summary["data_share"] <= 1.0
+
+
+def test_two_encoder_actors_write_the_same_bytes(local_ray, tmp_path, checkpoint, images, local_output):
+    out = tmp_path / "out"
+    run = ray_run(images, checkpoint, out, encoder_actors=2, workers=1, store="projected")
+    with_threads(export, run)
+    assert folder_bytes(out) == folder_bytes(local_output)
+
+
+def encoder_pids() -> list[int]:
+    """The processes of this machine's encoder actors (Ray titles them after the UDF)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            title = (entry / "cmdline").read_bytes()
+        except OSError:  # not a process, or it ended
+            continue
+        if entry.name.isdigit() and title.startswith(b"ray::") and b"EncodePacks" in title:
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="finds the actor's process in /proc")
+def test_a_killed_encoder_actor_changes_nothing(local_ray, tmp_path, checkpoint, images, local_output):
+    """SIGKILL the encoder actor's process after the first pack came back: Ray restarts it and
+    gives it its packs again; the folder is the local engine's, every id once."""
+    killed: list[int] = []
+    after: list[int] = []
+
+    def kill_the_encoder(packs_back: int) -> None:
+        if killed:
+            after.append(packs_back)
+            return
+        pids = encoder_pids()
+        assert len(pids) == 1, pids
+        os.kill(pids[0], signal.SIGKILL)
+        killed.append(pids[0])
+
+    out = tmp_path / "out"
+    summary = with_threads(export, ray_run(images, checkpoint, out), on_pack=kill_the_encoder)
+    assert killed and after, "no pack came back after the only encoder actor was killed: it was not restarted"
+    assert folder_bytes(out) == folder_bytes(local_output)
+    ids = [json.loads(line)["id"] for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert len(ids) == len(set(ids)) == summary["images"] == 11
+
+
+def test_the_cache_serves_the_ray_engine(local_ray, tmp_path, checkpoint, images, local_output):
+    cache = tmp_path / "cache"
+    run_export(*common(images, checkpoint), "--out", tmp_path / "first", "--cache", cache)
+    summary = with_threads(export, ray_run(images, checkpoint, tmp_path / "out", cache=cache))
+    assert summary["cache_reused_this_run"] == 10 and summary["encoded_this_run"] == 0
+    assert folder_bytes(tmp_path / "out") == folder_bytes(local_output)
+
+
+def test_an_actor_that_would_give_other_bytes_is_refused(checkpoint):
+    compute = {
+        "threads": 1,
+        "torch": "1.0.0",
+        "device_type": "cpu",
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+    with pytest.raises(ExportError, match=r"torch: '1.0.0' in run.json, '.+' here"):
+        with_threads(EncodePacks, str(checkpoint), ("projected",), "bf16", "cpu", {}, compute, "0" * 64)
+    compute["torch"] = torch.__version__
+    with pytest.raises(ExportError, match="holds other weights"):
+        with_threads(EncodePacks, str(checkpoint), ("projected",), "bf16", "cpu", {}, compute, "0" * 64)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"encoder_actors": 2}, "--encoder-actors and --ray-address are settings of --engine ray"),
+        ({"ray_address": "auto"}, "--encoder-actors and --ray-address are settings of --engine ray"),
+        ({"engine": "spark"}, "engine 'spark': expected one of local, ray"),
+    ],
+)
+def test_engine_settings_are_checked(tmp_path, settings, message):
+    with pytest.raises(ExportError, match=message):
+        ExportRun(inputs=tmp_path, checkpoint="x", out=tmp_path / "out", **settings)
+
+
+def test_the_ray_engine_refuses_torchrun(tmp_path, checkpoint, images, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ExportError, match="launch it without torchrun"):
+        export(ray_run(images, checkpoint, tmp_path / "out"))
+
+
+@pytest.mark.slow
+def test_a_killed_driver_resumes_to_the_same_bytes(tmp_path, checkpoint):
+    """SIGKILL the driver (which started its own local Ray) after its first shard, run the same
+    command again: only the unfinished shards are redone, and the folder is the local engine's."""
+    write_images(tmp_path / "images", 24, seed=11)
+    args = [str(a) for a in common(tmp_path / "images", checkpoint)] + ["--threads", "1"]
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "projector.export", *args, "--out", str(out), "--engine", "ray"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # its own process group: the driver and the local Ray it started die together, as on a lost machine
+    process = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "parts" / "shard-000000.json").exists():
+            assert process.poll() is None and time.monotonic() < deadline, "the export ended before it was killed"
+            time.sleep(0.005)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert process.returncode == -signal.SIGKILL and not (out / "manifest.jsonl").exists()
+    finished = len(list((out / "parts").glob("*.json")))
+    assert 1 <= finished < 8
+
+    rerun = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert f"this run processed {24 - 3 * finished} images" in rerun.stdout
+    run_export(*args[:-2], "--out", tmp_path / "reference")
+    assert folder_bytes(out) == folder_bytes(tmp_path / "reference")
