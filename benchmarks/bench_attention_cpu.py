@@ -11,13 +11,15 @@ One item of so400m's attention (16 heads of 72, bf16) at 4,096 patches (896x896)
   float32 GEMM (exact products of the bf16 inputs), a float32 softmax, p v as a bf16 GEMM (the
   arithmetic of the flash kernel, in larger GEMMs);
 - ``blocked-bf16``: the same with q k^T as a bf16 GEMM (its scores rounded to bf16 before the softmax);
-- ``flex``: FlexAttention compiled by Inductor (its CPU template), where it compiles.
+- ``flex``: FlexAttention compiled by Inductor (its CPU template), where it compiles;
+- ``openvino-f32`` / ``openvino-bf16``: OpenVINO's CPU ScaledDotProductAttention computing in float32
+  or bf16, where ``openvino`` is installed (``pip install openvino``; not a dependency).
 
 Each is timed (median of ``--reps`` calls after a warm-up) on ``--heads`` heads (the cost is linear
 in heads) and reported per layer of 16 heads,
 with its error relative to a float64 reference on the first ``--check-rows`` queries of every head
-beside the bf16 reference's own (the float64 result rounded to bf16). ONNX Runtime and OpenVINO
-are not measured: neither is a dependency, and the tower's attention is not a graph of its own.
+beside the bf16 reference's own (the float64 result rounded to bf16). ONNX Runtime is not measured
+here: ``bench_onnx.py`` times the whole tower exported to ONNX under it.
 """
 
 from __future__ import annotations
@@ -75,6 +77,27 @@ def flex_compiled() -> Attention | None:
     return flex
 
 
+def openvino_sdpa(precision: str) -> Attention | None:
+    """OpenVINO's CPU ScaledDotProductAttention (``pip install openvino``), float32 inputs (the bf16
+    values exactly), computed at ``precision`` (its ``INFERENCE_PRECISION_HINT``: f32 or bf16);
+    None where OpenVINO is not installed."""
+    try:
+        import openvino as ov
+        import openvino.opset13 as ops
+    except ImportError:
+        return None
+    params = [ops.parameter([-1, -1, HEAD_DIM], ov.Type.f32, name=name) for name in "qkv"]
+    model = ov.Model([ops.scaled_dot_product_attention(*params, causal=False)], params)
+    config = {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": torch.get_num_threads()}
+    request = ov.Core().compile_model(model, "CPU", config).create_infer_request()
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        request.infer([ov.Tensor(t.float().numpy()) for t in (q, k, v)])
+        return torch.from_numpy(request.get_output_tensor(0).data.copy()).to(q.dtype)
+
+    return attention
+
+
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int) -> torch.Tensor:
     """float64 attention of the first ``rows`` queries of every head."""
     q, k, v = (t.double() for t in (q, k, v))
@@ -109,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
         "blocked": blocked,
         "blocked-bf16": lambda q, k, v: blocked(q, k, v, float32_scores=False),
         "flex": flex_compiled(),
+        "openvino-f32": openvino_sdpa("f32"),
+        "openvino-bf16": openvino_sdpa("bf16"),
     }
     lines = [
         f"host: {host_line()}",

@@ -9,7 +9,8 @@ export runs once per count into folders of its own, side by side: the share of t
 time spent waiting for decoded images, images/s, and whether the folders are byte-identical.
 With ``--engines local ray`` each count runs on both engines (``--engine ray``: decoding in Ray
 CPU tasks, ``--workers`` at once, encoding in ``--encoder-actors`` actors, a local Ray started
-and stopped by the export), so the price of the Ray pipeline on one machine is read off one run.
+and stopped by the export), so the price of the Ray pipeline on one machine is read off one run:
+its start-up (to the first pack's result) apart from its rate after it.
 
 Example: python benchmarks/bench_export.py --threads 2 --workers 0 1
          python benchmarks/bench_export.py --threads 2 --preset small --workers 1 2 --engines local ray
@@ -147,6 +148,14 @@ def main(argv: list[str] | None = None) -> None:
             f"  encode loop: {summary['images_per_s']:.1f} images/s, {summary['tokens_per_s']:.0f} tokens/s "
             f"({summary['tokens_this_run']} tokens in {summary['seconds']:.2f} s{versus}); "
             f"the encoder waited for decoded images {summary['data_share']:.0%} of its time"
+        )
+        steady = ""
+        if engine == "ray" and ("local", workers) in runs:
+            local = runs["local", workers][0]["steady_items_per_s"]
+            steady = f"; {summary['steady_items_per_s'] / local:.2f}x the local engine's"
+        print(
+            f"  after the first pack (at {summary['first_pack_s']:.1f} s): "
+            f"{summary['steady_items_per_s']:.1f} images/s{steady}"
         )
         print(
             f"  whole command (load, plan, {'start Ray, ' if engine == 'ray' else ''}encode, write, assemble): "

@@ -93,6 +93,8 @@ def test_the_ray_engine_writes_the_local_engine_s_bytes(local_ray, tmp_path, che
     assert summary["images"] == 11 and summary["failed"] == 1 and summary["skipped"] == {".txt": 1}
     assert summary["encoded_this_run"] == 10 and summary["duplicates_this_run"] == 1
     assert 0.0 <= summary["data_share"] <= 1.0
+    # the start-up (Ray up to the first pack back) apart from the rate after it
+    assert 0.0 < summary["first_pack_s"] < summary["seconds"] and summary["steady_items_per_s"] > 0
 
 
 def test_two_encoder_actors_write_the_same_bytes(local_ray, tmp_path, checkpoint, images, local_output):

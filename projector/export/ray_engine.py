@@ -33,8 +33,8 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import os
 import pickle
+import platform
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -143,12 +143,10 @@ class EncodePacks:
         differing = {key: (compute[key], value) for key, value in here.items() if compute[key] != value}
         if differing:
             detail = ", ".join(f"{key}: {there!r} in run.json, {now!r} here" for key, (there, now) in differing.items())
-            raise ExportError(f"an encoder actor on {os.uname().nodename} would not give run.json's bytes ({detail})")
+            raise ExportError(f"an encoder actor on {platform.node()} would not give run.json's bytes ({detail})")
         self.models = load_models(checkpoint, store, torch_dtype(dtype), target, dict(processor_overrides))
         if self.models.checkpoint_sha256 != weights_sha256:
-            raise ExportError(
-                f"--checkpoint {checkpoint} holds other weights on {os.uname().nodename} than the driver's"
-            )
+            raise ExportError(f"--checkpoint {checkpoint} holds other weights on {platform.node()} than the driver's")
         self.store = tuple(store)
         self.idle_since: float | None = None
 

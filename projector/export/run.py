@@ -100,10 +100,27 @@ class Progress:
     """Seconds the encoder waited for decoded packs (summed over the actors on Ray)."""
     encode_s: float = 0.0
     """Seconds the encoder was busy (on Ray, summed over the actors)."""
+    first_pack_s: float = 0.0
+    """Seconds from the start of the encoding (on Ray: Ray up, the actors starting) to the first
+    pack's result: the engine's start-up, paid once per run."""
+    steady_items: int = 0
+    """Items in the packs after the first."""
+    steady_s: float = 0.0
+    """Seconds from the first pack's result to the last's: ``steady_items / steady_s`` is the
+    rate once the pipeline runs, whatever it cost to start."""
     encoded: int = 0
     duplicates: int = 0
     cached: int = 0
     cache_corrupt: int = 0
+
+    def time_packs(self, start: float, results: Sequence[ShardResult]) -> None:
+        """Fill the start-up and steady-state figures from the results' pack times (``start``:
+        ``time.perf_counter()`` at the start of the encoding)."""
+        done = sorted(pack for result in results for pack in result.packs_done)
+        if done:
+            self.first_pack_s = done[0][0] - start
+            self.steady_items = sum(items for _, items in done[1:])
+            self.steady_s = done[-1][0] - done[0][0]
 
     def add(self, result: ShardResult, seconds: float) -> None:
         """Count a written shard; ``seconds`` since the start."""
@@ -132,12 +149,14 @@ def export_rank(
     progress = Progress()
     start = time.perf_counter()
     total = sum(len(layout[k]) for k in pending)
+    results = []
     with tqdm(total=total, unit="img", desc="export", disable=not show, dynamic_ncols=True) as bar:
         for k in pending:
             shard = [planned[i] for i in layout[k]]
             result = export_shard(
                 k, shard, models, run.kinds, run.max_patches_per_pack, run.out, run.workers, duplicates, cache
             )
+            results.append(result)
             progress.data_s += result.data_s
             progress.add(result, time.perf_counter() - start)
             bar.update(len(layout[k]))
@@ -147,6 +166,7 @@ def export_rank(
             )
     progress.seconds = time.perf_counter() - start
     progress.encode_s = progress.seconds - progress.data_s
+    progress.time_packs(start, results)
     progress.cache_corrupt = cache.corrupt if cache is not None else 0
     return progress
 
@@ -187,6 +207,7 @@ def export_on_ray(
         progress.seconds = time.perf_counter() - start
     for result in results:
         progress.add(result, progress.seconds)
+    progress.time_packs(start, results)
     progress.cache_corrupt = cache.corrupt if cache is not None else 0
     return progress
 
@@ -287,6 +308,9 @@ def _summary(
         # on Ray, over all the actors)
         "data_share": _share(progress[0].data_s, progress[0].data_s + progress[0].encode_s),
         # each image encoded once: items encoded, later copies of an image, tokens read from --cache
+        # the engine's start-up (to the first pack's result) and the rate after it (rank 0's)
+        "first_pack_s": progress[0].first_pack_s,
+        "steady_items_per_s": _share(progress[0].steady_items, progress[0].steady_s),
         "encoded_this_run": sum(p.encoded for p in progress),
         "duplicates_this_run": sum(p.duplicates for p in progress),
         "cache_reused_this_run": sum(p.cached for p in progress),

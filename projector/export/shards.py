@@ -69,6 +69,8 @@ class ShardResult:
     """Later copies of an image, not encoded."""
     cached: int = 0
     """Images whose tokens came from the cache."""
+    packs_done: list[tuple[float, int]] = field(default_factory=list)
+    """(``time.perf_counter()`` when a pack's result came in, its items), pack by pack."""
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +101,8 @@ class ShardWork:
     cached: int = 0
     encoded: int = 0
     data_s: float = 0.0
+    packs_done: list[tuple[float, int]] = field(default_factory=list)
+    """(``time.perf_counter()`` when a pack's result came in, its items), in arrival order."""
 
     def packs(self, budget: int) -> list[Pack]:
         """The packs of ``to_encode`` under ``budget``: the same packs whichever engine encodes them."""
@@ -109,6 +113,7 @@ class ShardWork:
         self.tensors.update(tensors)
         self.reasons.update(failures)
         self.encoded += len(tensors)
+        self.packs_done.append((time.perf_counter(), len(tensors) + len(failures)))
 
 
 def shard_work(
@@ -215,7 +220,7 @@ def finish_shard(
     part.parent.mkdir(exist_ok=True)
     write_text_atomic(part, json.dumps({"images": lines, "failures": failures}) + "\n")
     copies = sum(1 for line in lines if "duplicate_of" in line)
-    return ShardResult(lines, failures, work.data_s, work.encoded, copies, work.cached)
+    return ShardResult(lines, failures, work.data_s, work.encoded, copies, work.cached, work.packs_done)
 
 
 def stored_tensors(encoded: EncodedPack, models: Models, store: Sequence[str]) -> dict[Key, dict[str, torch.Tensor]]:
