@@ -277,12 +277,28 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def device_spelling(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N`` as a spelling only, whether or not this process reaches it
+    (a device that other processes use, e.g. a cluster's workers)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"unsupported device {text!r}; expected cpu, cuda or cuda:N")
+    return text
+
+
 def add_device_argument(
-    parser: argparse.ArgumentParser | argparse._ArgumentGroup, help: str = "cpu, cuda or cuda:N"
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, help: str = "cpu, cuda or cuda:N", *, here: bool = True
 ) -> None:
-    """``--device``, defaulting to cuda where there is one."""
+    """``--device``, defaulting to cuda where there is one; checked as reachable from this process
+    (:func:`device_name`), or with ``here=False`` as a spelling only (:func:`device_spelling`)."""
     parser.add_argument(
-        "--device", type=device_name, default=default_device(), help=f"{help} (default: {default_device()})"
+        "--device",
+        type=device_name if here else device_spelling,
+        default=default_device(),
+        help=f"{help} (default: {default_device()})",
     )
 
 

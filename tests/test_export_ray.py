@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -11,12 +12,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import make_checkpoint, run_export, write_images
 
-from projector.export import ExportError, ExportRun, export
-from projector.export.ray_engine import EncodePacks
+from projector.export import ExportError, ExportRun, export, load_models, plan_input, ray_engine, scan_inputs
+from projector.export.ray_engine import EncodePacks, fingerprint
 
 ray = pytest.importorskip("ray")
 
@@ -156,11 +158,77 @@ def test_an_actor_that_would_give_other_bytes_is_refused(checkpoint):
         "device_type": "cpu",
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
-    with pytest.raises(ExportError, match=r"torch: '1.0.0' in run.json, '.+' here"):
-        with_threads(EncodePacks, str(checkpoint), ("projected",), "bf16", "cpu", {}, compute, "0" * 64)
+    driver = fingerprint(torch.device("cpu"))
+    args = (str(checkpoint), ("projected",), "bf16", "cpu", {}, compute, "0" * 64)
+    with pytest.raises(ExportError, match=r"torch: '1.0.0' on the driver, '.+' here"):
+        with_threads(EncodePacks, *args, driver)
     compute["torch"] = torch.__version__
+    with pytest.raises(ExportError, match=r"amx: 'other' on the driver"):
+        with_threads(EncodePacks, *args, {**driver, "amx": "other"})
     with pytest.raises(ExportError, match="holds other weights"):
-        with_threads(EncodePacks, str(checkpoint), ("projected",), "bf16", "cpu", {}, compute, "0" * 64)
+        with_threads(EncodePacks, *args, driver)
+
+
+def test_a_pack_s_result_carries_its_own_tokens_only(checkpoint, images):
+    """Each item's tensors are pickled on their own, not as views of the pack's whole buffer."""
+    from moonvit.encode import process_pack
+    from moonvit.media.packing import group_into_packs
+
+    models = load_models(checkpoint, ("projected",), torch.bfloat16, torch.device("cpu"))
+    run_json = {"threads": torch.get_num_threads(), "torch": torch.__version__, "device_type": "cpu"}
+    run_json["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    actor = EncodePacks(
+        str(checkpoint),
+        ("projected",),
+        "bf16",
+        "cpu",
+        {},
+        run_json,
+        models.checkpoint_sha256,
+        fingerprint(torch.device("cpu")),
+    )
+    planned = [plan_input(i, image, models, 4096) for i, image in enumerate(scan_inputs(images).images)]
+    pack = next(group_into_packs((item for entry in planned for item in entry.items), 4096))
+    processed = process_pack(models.processor, pack, skip_errors=True)
+    out = actor({"id": np.array([0]), "processed": np.array([pickle.dumps(processed)], dtype=object)})
+    tensors, _ = pickle.loads(out["result"][0])
+    assert len(tensors) == len(processed[2]) > 3
+    token_bytes = sum(t.numel() * t.element_size() for kinds in tensors.values() for t in kinds.values())
+    assert len(out["result"][0]) < 1.5 * token_bytes + 50_000
+
+
+def test_a_run_with_nothing_to_encode_starts_no_ray(tmp_path, checkpoint, images, monkeypatch):
+    cache = tmp_path / "cache"
+    run_export(*common(images, checkpoint), "--out", tmp_path / "first", "--cache", cache)
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(ray_engine, "ray_session", no_ray)
+    summary = with_threads(export, ray_run(images, checkpoint, tmp_path / "out", cache=cache))
+    assert summary["encoded_this_run"] == 0 and summary["cache_reused_this_run"] == 10
+
+
+def test_a_decoding_task_that_would_give_other_bytes_stops_the_run_with_its_reason(
+    local_ray, tmp_path, checkpoint, images, monkeypatch
+):
+    real = ray_engine.fingerprint
+    monkeypatch.setattr(ray_engine, "fingerprint", lambda device: {**real(device), "pillow": "0.0"})
+    with pytest.raises(ExportError, match=r"pillow: '0.0' on the driver, '[\d.]+' here"):
+        with_threads(export, ray_run(images, checkpoint, tmp_path / "out"))
+
+
+@pytest.mark.slow
+def test_cuda_actors_on_a_machine_without_gpus_are_refused(tmp_path, checkpoint, images):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    args = [str(a) for a in common(images, checkpoint)]
+    command = [sys.executable, "-m", "projector.export", *args, "--out", str(tmp_path / "out")]
+    command += ["--engine", "ray", "--device", "cuda", "--threads", "1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "--encoder-actors 1 on CUDA needs 1 GPUs; this machine's Ray sees 0" in done.stderr
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from moonvit.cli import (
     add_side_limit_argument,
     add_threads_argument,
     add_workers_argument,
+    device_name,
     existing_path,
     exit_on,
     one_line_warnings,
@@ -59,7 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_budget_argument(parser)
     parser.add_argument("--shard-size", type=positive_int, default=1000, help="images per shard (default: 1000)")
     add_side_limit_argument(parser)
-    add_device_argument(parser, "cpu, cuda or cuda:N (each torchrun rank takes cuda:LOCAL_RANK)")
+    add_device_argument(
+        parser,
+        "cpu, cuda or cuda:N (each torchrun rank takes cuda:LOCAL_RANK; --engine ray: the encoder actors' device, "
+        "which the driver need not have)",
+        here=False,
+    )
     add_threads_argument(parser)
     add_workers_argument(parser, "packs of images")
     parser.add_argument(
@@ -114,5 +120,11 @@ def export_run(args: argparse.Namespace) -> ExportRun:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.engine == "local":  # this process encodes: it must reach the device
+        try:
+            device_name(args.device)
+        except argparse.ArgumentTypeError as error:
+            parser.error(f"argument --device: {error}")
     with one_line_warnings(), exit_on(parser, ExportError):
-        return export(export_run(parser.parse_args(argv)))
+        return export(export_run(args))

@@ -11,10 +11,11 @@ Ray Data pipeline::
                       -> iter_rows() on the driver   each shard written when its last pack is back
 
 Each actor loads the models once, with the thread count ``run.json`` records and the same kernels:
-an actor whose torch version or CPU kernel level differs from the driver's is refused, since its
-tokens could differ in the last bit. So the shards hold the bytes the local engine writes, whichever
-actor encodes which pack, in whatever order the packs come back. Tokens travel as pickled tensors
-(bf16 included), never through numpy.
+an actor whose torch version, CPU kernel level or bf16 units differ from the driver's is refused, and
+so is a decoding task with another Pillow, since the bytes could differ in the last bit. So the
+shards hold the bytes the local engine writes, whichever actor encodes which pack, in whatever order
+the packs come back. Tokens travel as pickled tensors (bf16 included, each item its own copy),
+never through numpy.
 
 Faults are Ray Data's to recover from: a decode task whose worker dies is retried, an encoder
 actor that dies is restarted and its pack given again (Ray Data restarts map actors without limit
@@ -22,10 +23,11 @@ and retries their calls). A pack's result only reaches a shard once, on the driv
 pack is neither lost nor doubled. If the driver dies, the shards whose part file was written are
 done; the same command redoes the others (as with the local engine).
 
-Without ``--ray-address`` a local Ray instance is started with ``max(1, --workers) +
---encoder-actors`` CPUs and stopped at the end; with it (``auto``, or ``host:port``) the export
-joins that cluster, whose nodes must have this package installed. A process that already called
-``ray.init`` keeps its own connection. Ray is imported only here.
+Without ``--ray-address`` a local Ray instance is started with the CPUs the tasks and actors take
+(an actor on CPU takes ``run.json``'s thread count) and stopped at the end; it is not started when
+no pack needs a forward. With ``--ray-address`` (``auto``, or ``host:port``) the export joins that
+cluster, whose nodes must have this package installed. A process that already called ``ray.init``
+keeps its own connection. Ray is imported only here.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ import platform
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import PIL
 import torch
 from tqdm import tqdm
 
@@ -49,12 +53,13 @@ from moonvit.encode import encode_processed, process_pack
 from moonvit.media.packing import Pack
 from moonvit.media.processor import MoonViTImageProcessor
 from moonvit.media.video import MoonViTVideoProcessor
+from moonvit.model.linear import cpu_has_bf16_arithmetic
 
 from .models import load_models
 from .settings import ExportError, ExportRun
 from .shards import Key, ShardResult, ShardWork, finish_shard, stored_tensors
 
-__all__ = ["EncodePacks", "PackResult", "decode_pack", "encode_on_ray", "ray_session"]
+__all__ = ["EncodePacks", "PackResult", "RayRun", "decode_pack", "encode_on_ray", "fingerprint", "ray_session"]
 
 DECODE_WORKER_BYTES = 384 * 2**20
 """A decoding worker's own memory: Python with torch and Pillow imported (about 240 MiB measured)."""
@@ -65,9 +70,12 @@ in the export dtype) and the reasons of the items that could not be decoded."""
 
 
 @contextmanager
-def ray_session(address: str | None, cpus: int) -> Iterator[None]:
+def ray_session(address: str | None, cpus: int, gpus: int = 0) -> Iterator[None]:
     """Ray for the export: the caller's connection when there is one, else ``address``'s
-    cluster, else a local instance of ``cpus`` CPUs, stopped on the way out."""
+    cluster, else a local instance of ``cpus`` CPUs (never a cluster that happens to run on this
+    machine), stopped on the way out. A local instance with fewer GPUs than ``gpus`` is refused
+    (its actors would wait for them for ever); a caller's or a cluster's with fewer CPUs or GPUs
+    than the pipeline takes is warned about (a cluster may grow to them)."""
     try:
         import ray
     except ImportError as error:
@@ -76,7 +84,7 @@ def ray_session(address: str | None, cpus: int) -> Iterator[None]:
     if started:
         try:
             ray.init(
-                address=address,
+                address="local" if address is None else address,
                 num_cpus=cpus if address is None else None,
                 include_dashboard=False,
                 log_to_driver=False,
@@ -84,28 +92,68 @@ def ray_session(address: str | None, cpus: int) -> Iterator[None]:
             )
         except (ConnectionError, RuntimeError, ValueError) as error:
             raise ExportError(f"--ray-address {address}: cannot join a Ray cluster there ({error})") from error
-    context = ray.data.DataContext.get_current()
-    bars, context.enable_progress_bars = context.enable_progress_bars, False  # the export's own bar
-    # not a line per pipeline start and end, nor the notice that Ray's own bars are off
-    quiet = {"ray.data": logging.WARNING, "ray.data._internal.progress": logging.ERROR}
-    levels = {name: logging.getLogger(name).level for name in quiet}
-    for name, level in quiet.items():
-        logging.getLogger(name).setLevel(level)
     try:
-        yield
-    finally:
-        context.enable_progress_bars = bars
-        for name, level in levels.items():
+        have = ray.cluster_resources()
+        if started and address is None and have.get("GPU", 0) < gpus:
+            found = int(have.get("GPU", 0))
+            raise ExportError(f"--encoder-actors {gpus} on CUDA needs {gpus} GPUs; this machine's Ray sees {found}")
+        short = [
+            f"{need} {kind} ({have.get(kind, 0):g} now)"
+            for kind, need in (("CPU", cpus), ("GPU", gpus))
+            if have.get(kind, 0) < need
+        ]
+        if short:  # a cluster may grow to it; until then the pipeline waits
+            logging.getLogger("moonvit").warning(
+                "the export's Ray pipeline needs %s: it waits until Ray has them", ", ".join(short)
+            )
+        context = ray.data.DataContext.get_current()
+        settings = {"enable_progress_bars": False, "raise_original_map_exception": True}  # the export's own bar;
+        before = {name: getattr(context, name) for name in settings}  # a failure's own cause, not Ray's wrapper
+        for name, value in settings.items():
+            setattr(context, name, value)
+        # not a line per pipeline start and end, nor the notice that Ray's own bars are off
+        quiet = {"ray.data": logging.WARNING, "ray.data._internal.progress": logging.ERROR}
+        levels = {name: logging.getLogger(name).level for name in quiet}
+        for name, level in quiet.items():
             logging.getLogger(name).setLevel(level)
+        try:
+            yield
+        finally:
+            for name, value in before.items():
+                setattr(context, name, value)
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
+    finally:
         if started:
             ray.shutdown()
 
 
+def fingerprint(device: torch.device) -> dict[str, Any]:
+    """What the bytes depend on beyond ``run.json``'s ``compute``, as this process sees it: the
+    CPU's bf16 matrix units (oneDNN picks its bf16 kernels by them) and Pillow, which decodes and
+    resizes. An actor or decoding task elsewhere compares its own with the driver's."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return {
+        "bf16_arithmetic": cpu_has_bf16_arithmetic() if device.type == "cpu" else None,
+        "amx": bool(amx()) if amx is not None and device.type == "cpu" else None,
+        "pillow": PIL.__version__,
+    }
+
+
+def _check_same(expected: Mapping[str, Any], here: Mapping[str, Any], what: str) -> None:
+    differing = {key: (expected[key], value) for key, value in here.items() if expected[key] != value}
+    if differing:
+        detail = ", ".join(f"{key}: {there!r} on the driver, {now!r} here" for key, (there, now) in differing.items())
+        raise ExportError(f"{what} on {platform.node()} would not give the driver's bytes ({detail})")
+
+
 def decode_pack(
-    row: dict[str, Any], processor: MoonViTImageProcessor, video_processor: MoonViTVideoProcessor
+    row: dict[str, Any], processor: MoonViTImageProcessor, video_processor: MoonViTVideoProcessor, pillow: str
 ) -> dict[str, Any]:
     """A CPU task: one pack's pixels (:func:`~moonvit.encode.process_pack`, undecodable items
-    recorded, not raised), pickled for the encoder actor."""
+    recorded, not raised), pickled for the encoder actor. Refused where Pillow is not the
+    driver's version (``pillow``): its resize is part of the bytes."""
+    _check_same({"pillow": pillow}, {"pillow": PIL.__version__}, "a decoding task")
     pack: Pack = pickle.loads(row["pack"])
     processed = process_pack(processor, pack, skip_errors=True, video_processor=video_processor)
     return {"id": row["id"], "processed": pickle.dumps(processed)}
@@ -130,6 +178,7 @@ class EncodePacks:
         processor_overrides: Mapping[str, Any],
         compute: Mapping[str, Any],
         weights_sha256: str,
+        driver: Mapping[str, Any],
     ) -> None:
         torch.set_num_threads(compute["threads"])
         target = torch.device(device)
@@ -140,10 +189,8 @@ class EncodePacks:
             "device_type": target.type,
             "cpu_capability": torch.backends.cpu.get_cpu_capability() if target.type == "cpu" else None,
         }
-        differing = {key: (compute[key], value) for key, value in here.items() if compute[key] != value}
-        if differing:
-            detail = ", ".join(f"{key}: {there!r} in run.json, {now!r} here" for key, (there, now) in differing.items())
-            raise ExportError(f"an encoder actor on {platform.node()} would not give run.json's bytes ({detail})")
+        _check_same(compute, here, "an encoder actor")
+        _check_same(driver, fingerprint(target), "an encoder actor")
         self.models = load_models(checkpoint, store, torch_dtype(dtype), target, dict(processor_overrides))
         if self.models.checkpoint_sha256 != weights_sha256:
             raise ExportError(f"--checkpoint {checkpoint} holds other weights on {platform.node()} than the driver's")
@@ -157,7 +204,9 @@ class EncodePacks:
         for payload in batch["processed"]:
             encoded = encode_processed(self.models.encoder, pickle.loads(payload))
             tensors = stored_tensors(encoded, self.models, self.store) if encoded.items else {}
-            results.append(pickle.dumps((tensors, encoded.failures)))
+            # each item its own copy: a pickled view carries its whole pack's buffer
+            owned = {key: {kind: t.clone() for kind, t in kinds.items()} for key, kinds in tensors.items()}
+            results.append(pickle.dumps((owned, encoded.failures)))
         done = time.perf_counter()
         wait = 0.0 if self.idle_since is None else start - self.idle_since
         self.idle_since = done
@@ -170,6 +219,21 @@ class EncodePacks:
         }
 
 
+@dataclass
+class RayRun:
+    """What :func:`encode_on_ray` did: the shards written, in the order they were, and its clocks."""
+
+    results: list[ShardResult]
+    start: float
+    """``time.perf_counter()`` once Ray was up (or when the shards needing no forward were written)."""
+    seconds: float
+    """From ``start`` to the last shard written: the actors' start included."""
+    waited: float
+    """Seconds the actors waited for decoded packs, summed (their first wait left out)."""
+    encoding: float
+    """Seconds the actors encoded, summed."""
+
+
 def encode_on_ray(
     works: Sequence[ShardWork],
     run: ExportRun,
@@ -178,104 +242,141 @@ def encode_on_ray(
     duplicates: Mapping[int, str] | None,
     cache: Any,
     on_pack: Callable[[int], None] | None = None,
-) -> tuple[list[ShardResult], float, float]:
+) -> RayRun:
     """Encode the packs of ``works`` (the shards still to write) on Ray and write each shard as
-    its last pack comes back.
+    its last pack comes back; shards that need no forward are written first, and Ray is not
+    started when no shard needs one.
 
     ``models_source`` holds what an actor needs to load the models as the driver did
-    (``checkpoint``, ``processor_overrides``, ``compute``, ``weights_sha256``, ``processor``,
-    ``video_processor``). ``on_pack`` is called with the number of packs back so far after each
-    (a hook for progress displays and fault drills). Returns (the shards' results in the order
-    they were written, the seconds the actors waited for decoded packs, the seconds they encoded).
+    (``checkpoint``, ``processor_overrides``, ``compute``, ``fingerprint``, ``weights_sha256``,
+    ``processor``, ``video_processor``). ``on_pack`` is called with the number of packs back so
+    far after each (a hook for progress displays and fault drills).
     """
-    import ray
-
     packs: list[tuple[int, Pack]] = [
         (w, pack) for w, work in enumerate(works) for pack in work.packs(run.max_patches_per_pack)
     ]
     remaining = collections.Counter(w for w, _ in packs)
     results: list[ShardResult] = []
-    waited = encoding = 0.0
+    clocks = {"waited": 0.0, "encoding": 0.0}
+    cuda = torch.device(run.device).type == "cuda"
+    # a CPU actor runs run.json's thread count: it takes that many of the node's CPUs
+    actor_cpus = 1 if cuda else models_source["compute"]["threads"]
     with tqdm(total=sum(len(work.planned) for work in works), unit="img", desc="export", disable=not show) as bar:
 
         def write(w: int) -> None:
             results.append(finish_shard(works[w], run.kinds, run.out, duplicates, cache))
             bar.update(len(works[w].planned))
 
+        start = time.perf_counter()
         for w in [w for w in range(len(works)) if remaining[w] == 0]:  # nothing to encode
             write(w)
         if packs:
-            rows = [{"id": i, "pack": pickle.dumps(pack)} for i, (_, pack) in enumerate(packs)]
-            decode = functools.partial(
-                decode_pack,
-                processor=models_source["processor"],
-                video_processor=models_source["video_processor"],
-            )
-            decoded = ray.data.from_items(rows, override_num_blocks=len(rows)).map(
-                decode,
-                num_cpus=1,
-                # declared (the worker, a pack's pixels twice): also what keeps Ray Data from
-                # fusing the decoding into the encoder actors, which would serialise the two
-                memory=DECODE_WORKER_BYTES
-                + 2 * run.max_patches_per_pack * 3 * models_source["processor"].patch_size ** 2 * 4,
-                compute=ray.data.TaskPoolStrategy(size=max(1, run.workers)),
-            )
-            cuda = torch.device(run.device).type == "cuda"
-            encoded = decoded.map_batches(
-                EncodePacks,
-                fn_constructor_kwargs={
-                    "checkpoint": models_source["checkpoint"],
-                    "store": run.kinds,
-                    "dtype": run.dtype,
-                    "device": run.device,
-                    "processor_overrides": models_source["processor_overrides"],
-                    "compute": models_source["compute"],
-                    "weights_sha256": models_source["weights_sha256"],
-                },
-                batch_size=1,
-                compute=ray.data.ActorPoolStrategy(size=run.encoder_actors),
-                num_cpus=1,
-                num_gpus=1 if cuda else 0,
-            )
-            seen: set[int] = set()
-            for row in _rows(encoded):
-                pack_id = int(row["id"])
-                if pack_id in seen:  # a retried pack that came back twice: its first copy counts
-                    continue
-                seen.add(pack_id)
-                tensors, failures = pickle.loads(row["result"])
-                w = packs[pack_id][0]
-                works[w].add(tensors, failures)
-                waited += float(row["wait_s"])
-                encoding += float(row["encode_s"])
-                remaining[w] -= 1
-                if remaining[w] == 0:
-                    write(w)
-                if on_pack is not None:
-                    on_pack(len(seen))
-            missing = [w for w, count in remaining.items() if count]
-            if missing:
-                raise ExportError(
-                    f"Ray returned no result for some packs of shards {[works[w].index for w in missing]}"
-                )
-    return results, waited, encoding
+            cpus = max(1, run.workers) + run.encoder_actors * actor_cpus
+            with ray_session(run.ray_address, cpus, run.encoder_actors if cuda else 0):
+                start = time.perf_counter()  # Ray is up: from here on the pipeline, the actors' start included
+                dataset = _pipeline(packs, run, models_source, actor_cpus, cuda)
+                _collect(dataset, packs, works, remaining, write, clocks, on_pack)
+    return RayRun(results, start, time.perf_counter() - start, clocks["waited"], clocks["encoding"])
+
+
+def _pipeline(
+    packs: Sequence[tuple[int, Pack]], run: ExportRun, source: Mapping[str, Any], actor_cpus: int, cuda: bool
+) -> Any:
+    """The Ray Data pipeline over ``packs``: decoding tasks, then the encoder actors."""
+    import ray
+
+    rows = [{"id": i, "pack": pickle.dumps(pack)} for i, (_, pack) in enumerate(packs)]
+    decode = functools.partial(
+        decode_pack,
+        processor=source["processor"],
+        video_processor=source["video_processor"],
+        pillow=source["fingerprint"]["pillow"],
+    )
+    decoded = ray.data.from_items(rows, override_num_blocks=len(rows)).map(
+        decode,
+        num_cpus=1,
+        # declared (the worker, a pack's pixels twice): also what keeps Ray Data from
+        # fusing the decoding into the encoder actors, which would serialise the two
+        memory=DECODE_WORKER_BYTES + 2 * run.max_patches_per_pack * 3 * source["processor"].patch_size ** 2 * 4,
+        compute=ray.data.TaskPoolStrategy(size=max(1, run.workers)),
+    )
+    return decoded.map_batches(
+        EncodePacks,
+        fn_constructor_kwargs={
+            "checkpoint": source["checkpoint"],
+            "store": run.kinds,
+            "dtype": run.dtype,
+            "device": run.device,
+            "processor_overrides": source["processor_overrides"],
+            "compute": source["compute"],
+            "weights_sha256": source["weights_sha256"],
+            "driver": source["fingerprint"],
+        },
+        batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=run.encoder_actors),
+        num_cpus=actor_cpus,
+        num_gpus=1 if cuda else 0,
+    )
+
+
+def _collect(
+    dataset: Any,
+    packs: Sequence[tuple[int, Pack]],
+    works: Sequence[ShardWork],
+    remaining: collections.Counter[int],
+    write: Callable[[int], None],
+    clocks: dict[str, float],
+    on_pack: Callable[[int], None] | None,
+) -> None:
+    """Hand each pack's result to its shard, once, and write a shard when its last pack is in."""
+    seen: set[int] = set()
+    for row in _rows(dataset):
+        pack_id = int(row["id"])
+        if pack_id in seen:  # a retried pack that came back twice: its first copy counts
+            continue
+        seen.add(pack_id)
+        tensors, failures = pickle.loads(row["result"])
+        w = packs[pack_id][0]
+        works[w].add(tensors, failures)
+        clocks["waited"] += float(row["wait_s"])
+        clocks["encoding"] += float(row["encode_s"])
+        remaining[w] -= 1
+        if remaining[w] == 0:
+            write(w)
+        if on_pack is not None:
+            on_pack(len(seen))
+    missing = [works[w].index for w, count in remaining.items() if count]
+    if missing:
+        raise ExportError(f"Ray returned no result for some packs of shards {missing}")
 
 
 def _rows(dataset: Any) -> Iterator[dict[str, Any]]:
     """The pipeline's output rows; a failure Ray could not recover from as an :class:`ExportError`
-    (an actor refused by its own checks, a task that failed for its inputs' sake)."""
+    with its own message (an actor or task refused by its checks: that refusal's text; anything
+    else: the original exception's type and first line), not Ray's wrapper around it."""
     import ray
 
     try:
         yield from dataset.iter_rows()
     except ray.exceptions.RayError as error:
-        cause = error.as_instanceof_cause() if isinstance(error, ray.exceptions.RayTaskError) else error
-        raise ExportError(f"the Ray pipeline failed: {_last_line(cause)}") from error
+        cause = _root_cause(error)
+        if isinstance(cause, ExportError) and not isinstance(cause, ray.exceptions.RayError):
+            raise ExportError(str(cause)) from error
+        lines = [line for line in str(cause).splitlines() if line.strip()]
+        reason = f"{type(cause).__name__}: {lines[-1].strip() if lines else ''}"
+        raise ExportError(f"the Ray pipeline failed: {reason}") from error
 
 
-def _last_line(error: BaseException) -> str:
-    lines = [line for line in str(error).splitlines() if line.strip()]
-    return lines[-1].strip() if lines else type(error).__name__
+def _root_cause(error: BaseException) -> BaseException:
+    """The exception a Ray error wraps: Ray's task errors keep it as ``cause``, Ray Data's as ``__cause__``."""
+    seen: set[int] = set()
+    while id(error) not in seen:
+        seen.add(id(error))
+        inner = getattr(error, "cause", None) or error.__cause__
+        if not isinstance(inner, BaseException):
+            break
+        error = inner
+    return error
 
 
 def _objects(values: Sequence[bytes]) -> np.ndarray:

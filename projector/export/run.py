@@ -184,30 +184,29 @@ def export_on_ray(
 ) -> Progress:
     """:func:`export_rank` on Ray (:mod:`.ray_engine`): the shards with no part file yet, their
     packs encoded by ``run.encoder_actors`` actors; ``on_pack`` as :func:`.ray_engine.encode_on_ray`."""
-    from .ray_engine import encode_on_ray, ray_session
+    from .ray_engine import encode_on_ray, fingerprint
 
     pending = [k for k in shards if not part_path(run.out, k).is_file()]
-    works = [shard_work(k, [planned[i] for i in layout[k]], duplicates, cache) for k in pending]
+    # every shard is planned before any pack is encoded: cache hits are checked, not held
+    works = [shard_work(k, [planned[i] for i in layout[k]], duplicates, cache, keep=False) for k in pending]
+    checkpoint = Path(run.checkpoint)
     source = {
-        "checkpoint": str(run.checkpoint),
+        # the actors' working folder is not the driver's: a local folder goes by its absolute path
+        "checkpoint": str(checkpoint.resolve()) if checkpoint.is_dir() else str(run.checkpoint),
         "processor_overrides": _processor_overrides(run),
         "compute": description["compute"],
+        "fingerprint": fingerprint(torch.device(run.device)),
         "weights_sha256": models.checkpoint_sha256,
         "processor": models.processor,
         "video_processor": models.video_processor,
     }
     progress = Progress()
-    if not works:  # every shard is done: nothing for Ray to do
-        return progress
-    with ray_session(run.ray_address, max(1, run.workers) + run.encoder_actors):
-        start = time.perf_counter()  # Ray is up: from here on the pipeline, the actors' start included
-        results, progress.data_s, progress.encode_s = encode_on_ray(
-            works, run, source, True, duplicates, cache, on_pack
-        )
-        progress.seconds = time.perf_counter() - start
-    for result in results:
+    done = encode_on_ray(works, run, source, True, duplicates, cache, on_pack)
+    progress.seconds = done.seconds
+    progress.data_s, progress.encode_s = done.waited, done.encoding
+    for result in done.results:
         progress.add(result, progress.seconds)
-    progress.time_packs(start, results)
+    progress.time_packs(done.start, done.results)
     progress.cache_corrupt = cache.corrupt if cache is not None else 0
     return progress
 

@@ -27,6 +27,7 @@ from ..token_folder import FAILURES_FILE, MANIFEST_FILE, PARTS_DIR
 from .cache import TokenCache, cacheable
 from .models import Models
 from .plan import ExportItem
+from .settings import ExportError
 
 __all__ = [
     "Key",
@@ -101,6 +102,9 @@ class ShardWork:
     cached: int = 0
     encoded: int = 0
     data_s: float = 0.0
+    cache_hits: dict[Key, str] = field(default_factory=dict)
+    """Items whose cache entry was checked but not kept in memory (``shard_work(..., keep=False)``):
+    key -> content hash, read again when the shard is written."""
     packs_done: list[tuple[float, int]] = field(default_factory=list)
     """(``time.perf_counter()`` when a pack's result came in, its items), in arrival order."""
 
@@ -121,12 +125,14 @@ def shard_work(
     planned: Sequence[ExportItem],
     duplicates: Mapping[int, str] | None = None,
     cache: TokenCache | None = None,
+    keep: bool = True,
 ) -> ShardWork:
     """Shard ``index``'s inputs split into those to encode and those that need no forward.
 
     ``duplicates`` maps the input position of a later copy of an image to the first copy's id
     (:func:`.cache.duplicate_sources`): it is not encoded. With ``cache`` an image's tokens are
-    read from it when there."""
+    read from it when there; with ``keep=False`` a valid entry is only noted, and read again by
+    :func:`finish_shard` (an engine that plans every shard before encoding any holds no tokens)."""
     duplicates = duplicates or {}
     work = ShardWork(index, planned, [])
     for entry in planned:
@@ -136,7 +142,10 @@ def shard_work(
             assert entry.sha256 is not None
             hit = cache.load(entry.sha256)
             if hit is not None:
-                work.tensors[entry.items[0].key] = hit
+                if keep:
+                    work.tensors[entry.items[0].key] = hit
+                else:
+                    work.cache_hits[entry.items[0].key] = entry.sha256
                 work.cached += 1
                 continue
         work.to_encode.append(entry)
@@ -184,6 +193,12 @@ def finish_shard(
     """Write a shard whose every pack has come back: the images encoded here go to ``cache``,
     the tokens to ``shard-k.safetensors`` and the lines to its part file, each atomically."""
     duplicates = duplicates or {}
+    for key, sha256 in work.cache_hits.items():  # checked when planned, read now
+        assert cache is not None
+        hit = cache.load(sha256)
+        if hit is None:
+            raise ExportError(f"the cache entry of {sha256} in {cache.folder} changed during the run; run again")
+        work.tensors[key] = hit
     if cache is not None:
         for entry in work.to_encode:
             if cacheable(entry) and entry.items[0].key in work.tensors:
