@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from common import host_line, write_report
+from common import host_line, relative_error, write_report
 
 from moonvit.cli import add_threads_argument, apply_threads, output_file, positive_int
 from moonvit.model.flex import flex_unavailable
@@ -105,10 +105,6 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int) -> t
     return probs @ v
 
 
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b).norm() / b.norm())
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python benchmarks/bench_attention_cpu.py",
@@ -150,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         q, k, v = (t.bfloat16() for t in (q, k, v))
         rows = min(args.check_rows, n)
         expected = reference(q, k, v, rows)
-        own = relative(expected.bfloat16(), expected)
+        own = relative_error(expected.bfloat16(), expected)
         flops = 4 * n * n * HEAD_DIM * HEADS
         table = [
             f"### one item of {n:,} patches",
@@ -174,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
                 times.append(time.perf_counter() - start)
             took = statistics.median(times) * HEADS / args.heads
             base = took if name == "sdpa" else base
-            error = relative(out[:, :rows], expected)
+            error = relative_error(out[:, :rows], expected)
             ratio = f"{base / took:.2f}x" if base else ""
             table.append(f"| {name} | {took:.2f} | {flops / took / 1e9:.0f} | {ratio} | {error:.2e} |")
             print(table[-1], flush=True)

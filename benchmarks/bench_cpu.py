@@ -27,24 +27,28 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from common import PACKS, as_thw, host_line, matmul_peak, mib, model_flops, peak_extra_bytes, seconds, write_report
+from common import (
+    PACKS,
+    as_thw,
+    bf16_or_fp32,
+    host_line,
+    matmul_peak,
+    mib,
+    model_flops,
+    peak_extra_bytes,
+    seconds,
+    write_report,
+)
 from k3_baseline import K3Baseline
 
 from moonvit import MoonViT, preset_config
-from moonvit.cli import DTYPES, add_threads_argument, apply_threads, dtype_name, output_file, positive_int
+from moonvit.cli import DTYPES, add_threads_argument, apply_threads, output_file, positive_int
 from moonvit.model import flex
 from moonvit.model.attention import AttentionFn, get_attention
 from moonvit.model.flex import flex_unavailable
 from moonvit.model.grid import PackedGrid, build_packed_grid
 from moonvit.model.linear import cpu_bf16_matmul, cpu_has_bf16_arithmetic, set_cpu_bf16_matmul
 from moonvit.weights.transformers import to_transformers
-
-
-def dtype_choice(text: str) -> str:
-    name = dtype_name(text)
-    if name not in ("bf16", "fp32"):
-        raise argparse.ArgumentTypeError(f"--dtypes takes bf16 and fp32, got {text}")
-    return name
 
 
 def build(depth: int, dtype: torch.dtype) -> dict[str, Callable]:
@@ -364,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtypes",
         nargs="+",
-        type=dtype_choice,
+        type=bf16_or_fp32,
         default=["bf16", "fp32"],
         help="dtypes to time: bf16, fp32 (default: both)",
     )

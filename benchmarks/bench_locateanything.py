@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import host_line, mib, peak_extra_bytes, seconds, write_report
+from common import host_line, mib, peak_extra_bytes, relative_error, seconds, write_report
 
 from moonvit import MoonViT, MoonViTImageProcessor, preset_config
 from moonvit.cli import DTYPES, apply_threads, dtype_name, output_file, positive_int
@@ -264,11 +264,6 @@ def measure(runs: dict[str, Callable[[], torch.Tensor]], repeats: int, warm_up: 
     return {name: Measured(statistics.median(times[name]), peaks[name], outputs[name]) for name in runs}
 
 
-def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
-
-
 def table_row(
     first: list[str],
     names: dict[str, str],
@@ -286,7 +281,7 @@ def table_row(
         ours, stock = measured["ours"], measured["stock"]
         ratio = f"{stock.seconds / ours.seconds:.2f}x"
         block_ratio = f"{per_block['stock'] / per_block['ours']:.2f}x" if per_block["ours"] > 0 else "n/a"
-        diff = f"{relative_difference(ours.output, stock.output):.1e}"
+        diff = f"{relative_error(ours.output, stock.output):.1e}"
     cells = [*first]
     cells += [f"{measured[n].seconds:.2f}" if n in measured else skipped[n] for n in names] + [ratio]
     cells += [f"{per_block[n]:.2f}" if n in measured else "skipped" for n in names] + [block_ratio]

@@ -6,6 +6,7 @@ Benchmarks are programs, not part of the library; they import this module as
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import platform
 import re
@@ -17,16 +18,19 @@ from pathlib import Path
 import torch
 
 from moonvit import MoonViTConfig
+from moonvit.cli import dtype_name
 from moonvit.perf import config_flops, matmul_peak, seconds
 
 __all__ = [
     "PACKS",
     "as_thw",
+    "bf16_or_fp32",
     "host_line",
     "matmul_peak",
     "mib",
     "model_flops",
     "peak_extra_bytes",
+    "relative_error",
     "seconds",
     "write_report",
 ]
@@ -78,6 +82,21 @@ def _proc_status_bytes(key: str) -> int:
     if match is None:
         raise ValueError(f"{key} not in /proc/self/status")
     return int(match.group(1)) * 1024
+
+
+def bf16_or_fp32(text: str) -> str:
+    """An argparse type: a dtype spelling (:func:`moonvit.cli.dtype_name`) that names bf16 or fp32,
+    the two dtypes the CPU benchmarks time."""
+    name = dtype_name(text)
+    if name not in ("bf16", "fp32"):
+        raise argparse.ArgumentTypeError(f"expected bf16 or fp32, got {text}")
+    return name
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, computed in float64 on the CPU (``b`` the reference)."""
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm())
 
 
 def mib(n: int | None) -> str:

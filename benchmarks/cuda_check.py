@@ -34,7 +34,7 @@ import time
 import torch
 from bench_locateanything import SIZES as LOCATEANYTHING_SIZES
 from bench_locateanything import STOCK, locateanything_grid, stock_sdpa_attention
-from common import as_thw, matmul_peak, model_flops
+from common import as_thw, matmul_peak, model_flops, relative_error
 
 from moonvit import PRESETS, MoonViT
 from moonvit.cli import device_name, output_file, positive_int
@@ -53,11 +53,6 @@ MAX_RELATIVE_ERROR = 2e-2
 MIN_FLASH_MFU_1792 = 0.45
 MEMORY_COUNTS = (8, 32, 128)
 EAGER_MAX_SQUARES = 2 * 4096**2
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def timed(fn, device: torch.device, repeats: int = 3) -> tuple[object, float]:

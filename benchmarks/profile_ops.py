@@ -37,14 +37,14 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from common import PACKS, as_thw, host_line, seconds, write_report
+from common import PACKS, as_thw, bf16_or_fp32, host_line, seconds, write_report
 from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import moonvit.model.blocks as blocks_module
 import moonvit.model.encoder as encoder_module
 from moonvit import MoonViT, preset_config
-from moonvit.cli import DTYPES, add_threads_argument, apply_threads, dtype_name, output_file, positive_int
+from moonvit.cli import DTYPES, add_threads_argument, apply_threads, output_file, positive_int
 from moonvit.model.attention import AttentionUnavailableError, attention_names, resolve_attn_implementation
 from moonvit.model.blocks import Block
 from moonvit.model.grid import PackedGrid
@@ -228,13 +228,6 @@ def pack_report(args: argparse.Namespace, pack_name: str, full: MoonViT, empty: 
 # ---- command line -------------------------------------------------------------------------------
 
 
-def dtype_choice(text: str) -> str:
-    name = dtype_name(text)
-    if name not in ("bf16", "fp32"):
-        raise argparse.ArgumentTypeError(f"--dtype takes bf16 or fp32, got {text}")
-    return name
-
-
 DEFAULT_PACKS = [name for name in ("448x448 (32x32)", "896x896 (64x64)") if name in PACKS]
 
 
@@ -242,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python benchmarks/profile_ops.py", description=__doc__.split("\n")[0])
     parser.add_argument("--depth", type=positive_int, default=4, help="blocks to run (default: 4)")
     add_threads_argument(parser)
-    parser.add_argument("--dtype", type=dtype_choice, default="bf16", help="bf16 or fp32 (default: bf16)")
+    parser.add_argument("--dtype", type=bf16_or_fp32, default="bf16", help="bf16 or fp32 (default: bf16)")
     parser.add_argument(
         "--packs", nargs="+", choices=list(PACKS), default=DEFAULT_PACKS, metavar="PACK",
         help=f"packs to profile (default: {', '.join(repr(p) for p in DEFAULT_PACKS)}); "

@@ -33,7 +33,7 @@ from .media.processor import MoonViTImageProcessor
 from .model.encoder import MoonViT
 from .model.projector import MoonViTProjector
 
-__all__ = ["EncodeImages"]
+__all__ = ["EncodeImages", "object_column"]
 
 
 class EncodeImages:
@@ -151,7 +151,7 @@ class EncodeImages:
                 tokens[row] = part.numpy()
                 grids[row] = thw
         result = dict(batch)
-        result["tokens"] = _object_array(tokens)
+        result["tokens"] = object_column(tokens)
         result["grid_thw"] = grids
         result["token_count"] = np.array([len(t) for t in tokens], np.int64)
         result["error"] = np.array(errors, dtype=object)
@@ -172,9 +172,11 @@ class EncodeImages:
         raise ImageLoadError(f"unsupported image type {type(source).__name__}; expected a file path or bytes")
 
 
-def _object_array(arrays: Sequence[np.ndarray]) -> np.ndarray:
-    """A 1-D object array holding ``arrays`` (``np.array`` would stack same-shaped ones)."""
-    out = np.empty(len(arrays), dtype=object)
-    for i, array in enumerate(arrays):
-        out[i] = array
+def object_column(values: Sequence[object]) -> np.ndarray:
+    """A batch column of one Python object per row, as a 1-D object array: ``np.array`` would stack
+    same-shaped arrays into one and turn bytes into fixed-width ``S`` strings, which drop trailing
+    NUL bytes."""
+    out = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        out[i] = value
     return out

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import signal
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -16,6 +18,8 @@ from moonvit import MoonViT, MoonViTConfig, MoonViTImageProcessor, preset_config
 from moonvit.model.flex import flex_unavailable
 from projector import MoonViTProjector, ProjectorConfig
 from projector.export import main as export_main
+
+T = TypeVar("T")
 
 # Bit-equality holds only where both sides are the same call on the same shapes. The same math on
 # packs of other shapes (an image encoded alone and inside a pack, other packings of an export)
@@ -174,13 +178,23 @@ def write_images(folder: Path, count: int, seed: int = 0) -> list[Path]:
     return paths
 
 
-def run_export(*args: str | Path, threads: int = 1) -> dict:
-    """The export in this process (torch's thread count restored afterwards)."""
+def with_threads(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``function(*args, **kwargs)``, torch's thread count restored afterwards (an export sets it)."""
     previous = torch.get_num_threads()
     try:
-        return export_main([str(a) for a in args] + ["--threads", str(threads)])
+        return function(*args, **kwargs)
     finally:
         torch.set_num_threads(previous)
+
+
+def run_export(*args: str | Path, threads: int = 1) -> dict:
+    """The export in this process (torch's thread count restored afterwards)."""
+    return with_threads(export_main, [str(a) for a in args] + ["--threads", str(threads)])
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    """Every file below ``folder`` by relative path, with its bytes (to compare folders whole)."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 class SafeOpenSpy:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import interruptible
+from helpers import folder_bytes, interruptible
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,10 +38,6 @@ def demo(out: Path, *args: str | Path, probes: bool = False) -> subprocess.Compl
         text=True,
         timeout=1800 if probes else 900,
     )
-
-
-def folder_bytes(folder: Path) -> dict[str, bytes]:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_help_prints_the_arguments_and_runs_nothing(tmp_path):

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close_across_shapes, make_checkpoint, run_export, write_images
+from helpers import assert_close_across_shapes, folder_bytes, make_checkpoint, run_export, write_images
 from PIL import Image
 from safetensors import safe_open
 
@@ -40,10 +40,6 @@ def manifest(out: Path) -> list[dict]:
 
 def failures(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "failures.jsonl").read_text().splitlines()]
-
-
-def folder_bytes(out: Path) -> dict[str, bytes]:
-    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
 
 
 def tokens_by_id(out: Path) -> dict[str, dict[str, torch.Tensor]]:

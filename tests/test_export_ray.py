@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import make_checkpoint, run_export, write_images
+from helpers import folder_bytes, make_checkpoint, run_export, with_threads, write_images
 
 from projector.export import ExportError, ExportRun, export, load_models, plan_input, ray_engine, scan_inputs
 from projector.export.ray_engine import EncodePacks, fingerprint
@@ -23,10 +23,6 @@ from projector.export.ray_engine import EncodePacks, fingerprint
 ray = pytest.importorskip("ray")
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def folder_bytes(out: Path) -> dict[str, bytes]:
-    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +74,6 @@ def ray_run(images: Path, checkpoint: Path, out: Path, **settings) -> ExportRun:
         engine="ray",
         **settings,
     )
-
-
-def with_threads(function, *args, **kwargs):
-    previous = torch.get_num_threads()
-    try:
-        return function(*args, **kwargs)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def test_the_ray_engine_writes_the_local_engine_s_bytes(local_ray, tmp_path, checkpoint, images, local_output):

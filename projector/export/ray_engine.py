@@ -54,6 +54,8 @@ from moonvit.media.packing import Pack
 from moonvit.media.processor import MoonViTImageProcessor
 from moonvit.media.video import MoonViTVideoProcessor
 from moonvit.model.linear import cpu_has_bf16_arithmetic
+from moonvit.ray_data import object_column
+from moonvit.runs import describe_differences, differences
 
 from .models import load_models
 from .settings import ExportError, ExportRun
@@ -141,9 +143,10 @@ def fingerprint(device: torch.device) -> dict[str, Any]:
 
 
 def _check_same(expected: Mapping[str, Any], here: Mapping[str, Any], what: str) -> None:
-    differing = {key: (expected[key], value) for key, value in here.items() if expected[key] != value}
-    if differing:
-        detail = ", ".join(f"{key}: {there!r} on the driver, {now!r} here" for key, (there, now) in differing.items())
+    """Refuse ``what`` where a setting of ``here`` differs from the driver's (``expected``, which may hold more)."""
+    changes = differences({key: expected[key] for key in here}, dict(here))
+    if changes:
+        detail = describe_differences(changes, "{key}: {before!r} on the driver, {after!r} here", ", ")
         raise ExportError(f"{what} on {platform.node()} would not give the driver's bytes ({detail})")
 
 
@@ -213,7 +216,7 @@ class EncodePacks:
         count = len(results)
         return {
             "id": batch["id"],
-            "result": _objects(results),
+            "result": object_column(results),
             "wait_s": np.full(count, wait / count),
             "encode_s": np.full(count, (done - start) / count),
         }
@@ -377,10 +380,3 @@ def _root_cause(error: BaseException) -> BaseException:
             break
         error = inner
     return error
-
-
-def _objects(values: Sequence[bytes]) -> np.ndarray:
-    out = np.empty(len(values), dtype=object)
-    for i, value in enumerate(values):
-        out[i] = value
-    return out
