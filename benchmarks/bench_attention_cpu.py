@@ -12,14 +12,25 @@ One item of so400m's attention (16 heads of 72, bf16) at 4,096 patches (896x896)
   arithmetic of the flash kernel, in larger GEMMs);
 - ``blocked-bf16``: the same with q k^T as a bf16 GEMM (its scores rounded to bf16 before the softmax);
 - ``flex``: FlexAttention compiled by Inductor (its CPU template), where it compiles;
-- ``openvino-f32`` / ``openvino-bf16``: OpenVINO's CPU ScaledDotProductAttention computing in float32
-  or bf16, where ``openvino`` is installed (``pip install openvino``; not a dependency).
+- ``openvino-f32``: OpenVINO's CPU ScaledDotProductAttention computing in float32;
+- ``openvino``: the encoder's ``openvino`` backend (:mod:`moonvit.model.openvino_sdpa`), OpenVINO's
+  attention in bf16 on q scaled before its one rounding, as the encoder hands it;
+- ``openvino-rounded-q``: the same on the rounded q, scaled by it (a second rounding of q);
+- ``onnxruntime-f32``: ONNX Runtime's CPU ``com.microsoft.MultiHeadAttention`` (its CPU kernel takes
+  float32 only) on float32 copies of the bf16 inputs.
+
+The OpenVINO and ONNX Runtime rows run where they are installed (``pip install 'moonvit[openvino]'``,
+``onnxruntime``).
+
+q is drawn in float32, as RoPE leaves it: every contender but ``openvino`` gets it rounded to bf16
+(the block's q), ``openvino`` gets q * head_dim ** -0.5 rounded once; the float64 reference takes
+the float32 q, so every error counts the one rounding of q.
 
 Each is timed (median of ``--reps`` calls after a warm-up) on ``--heads`` heads (the cost is linear
 in heads) and reported per layer of 16 heads,
 with its error relative to a float64 reference on the first ``--check-rows`` queries of every head
-beside the bf16 reference's own (the float64 result rounded to bf16). ONNX Runtime is not measured
-here: ``bench_onnx.py`` times the whole tower exported to ONNX under it.
+beside the bf16 reference's own (the float64 result rounded to bf16). ``bench_onnx.py`` times the
+whole tower exported to ONNX under ONNX Runtime.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +47,7 @@ from common import host_line, relative_error, write_report
 
 from moonvit.cli import add_threads_argument, apply_threads, output_file, positive_int
 from moonvit.model.flex import flex_unavailable
+from moonvit.model.openvino_sdpa import openvino_not_installed, openvino_sdpa, openvino_unavailable
 
 HEADS, HEAD_DIM = 16, 72
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -77,23 +90,72 @@ def flex_compiled() -> Attention | None:
     return flex
 
 
-def openvino_sdpa(precision: str) -> Attention | None:
-    """OpenVINO's CPU ScaledDotProductAttention (``pip install openvino``), float32 inputs (the bf16
-    values exactly), computed at ``precision`` (its ``INFERENCE_PRECISION_HINT``: f32 or bf16);
-    None where OpenVINO is not installed."""
-    try:
-        import openvino as ov
-        import openvino.opset13 as ops
-    except ImportError:
+def openvino_f32() -> Attention | None:
+    """OpenVINO's CPU ScaledDotProductAttention computing in float32 on float32 copies of the bf16
+    inputs; None where OpenVINO is not installed."""
+    if openvino_not_installed() is not None:
         return None
+    import openvino as ov
+    import openvino.opset13 as ops
+
     params = [ops.parameter([-1, -1, HEAD_DIM], ov.Type.f32, name=name) for name in "qkv"]
     model = ov.Model([ops.scaled_dot_product_attention(*params, causal=False)], params)
-    config = {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": torch.get_num_threads()}
+    config = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": torch.get_num_threads()}
     request = ov.Core().compile_model(model, "CPU", config).create_infer_request()
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         request.infer([ov.Tensor(t.float().numpy()) for t in (q, k, v)])
         return torch.from_numpy(request.get_output_tensor(0).data.copy()).to(q.dtype)
+
+    return attention
+
+
+def onnxruntime_f32() -> Attention | None:
+    """ONNX Runtime's CPU MultiHeadAttention (float32) on float32 copies of the bf16 (heads, n, d)
+    inputs; None where ONNX Runtime or onnx is not installed."""
+    try:
+        import onnxruntime as ort
+        from onnx import TensorProto, helper
+    except ImportError:
+        return None
+    sessions: dict[int, Any] = {}
+
+    def session(heads: int) -> Any:
+        if heads not in sessions:
+            width = heads * HEAD_DIM
+            io = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, "n", width]) for name in "qkvo"]
+            node = helper.make_node("MultiHeadAttention", ["q", "k", "v"], ["o"], domain="com.microsoft",
+                                    num_heads=heads)  # fmt: skip
+            graph = helper.make_graph([node], "attention", io[:3], io[3:])
+            opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+            model = helper.make_model(graph, opset_imports=opsets)
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = torch.get_num_threads()
+            options.inter_op_num_threads = 1
+            sessions[heads] = ort.InferenceSession(
+                model.SerializeToString(),
+                options,
+                providers=["CPUExecutionProvider"],
+            )
+        return sessions[heads]
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        heads, n, _ = q.shape
+        feeds = {name: t.float().transpose(0, 1).reshape(1, n, -1).numpy() for name, t in zip("qkv", (q, k, v))}
+        out = session(heads).run(None, feeds)[0]
+        return torch.from_numpy(out).view(n, heads, HEAD_DIM).transpose(0, 1).to(q.dtype)
+
+    return attention
+
+
+def openvino_backend(scale: float | None) -> Attention | None:
+    """The encoder's OpenVINO attention on (heads, n, d) inputs, with ``scale`` (1.0: q comes scaled);
+    None where OpenVINO is not installed or this CPU has no bf16 arithmetic."""
+    if openvino_not_installed() or openvino_unavailable(torch.device("cpu"), torch.bfloat16):
+        return None
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return openvino_sdpa(*(t.transpose(0, 1)[None] for t in (q, k, v)), scale)[0].transpose(0, 1)
 
     return attention
 
@@ -128,8 +190,10 @@ def main(argv: list[str] | None = None) -> None:
         "blocked": blocked,
         "blocked-bf16": lambda q, k, v: blocked(q, k, v, float32_scores=False),
         "flex": flex_compiled(),
-        "openvino-f32": openvino_sdpa("f32"),
-        "openvino-bf16": openvino_sdpa("bf16"),
+        "openvino-f32": openvino_f32(),
+        "openvino": openvino_backend(1.0),
+        "openvino-rounded-q": openvino_backend(None),
+        "onnxruntime-f32": onnxruntime_f32(),
     }
     lines = [
         f"host: {host_line()}",
@@ -141,11 +205,11 @@ def main(argv: list[str] | None = None) -> None:
     for n in args.patches:
         torch.manual_seed(0)
         # logits of a trained tower spread over about +-10: q and k of norm ~ sqrt(10 * sqrt(d))
-        q, k, v = (torch.randn(args.heads, n, HEAD_DIM) for _ in range(3))
-        q, k = q * 1.8, k * 1.8
-        q, k, v = (t.bfloat16() for t in (q, k, v))
+        q_float, k, v = (torch.randn(args.heads, n, HEAD_DIM) for _ in range(3))
+        q_float, k, v = q_float * 1.8, (k * 1.8).bfloat16(), v.bfloat16()
+        q, q_scaled = q_float.bfloat16(), (q_float * HEAD_DIM**-0.5).bfloat16()
         rows = min(args.check_rows, n)
-        expected = reference(q, k, v, rows)
+        expected = reference(q_float, k, v, rows)
         own = relative_error(expected.bfloat16(), expected)
         flops = 4 * n * n * HEAD_DIM * HEADS
         table = [
@@ -161,12 +225,13 @@ def main(argv: list[str] | None = None) -> None:
             if fn is None or (name == "flex" and n > args.flex_max_patches):
                 table.append(f"| {name} | not run | | | |")
                 continue
+            query = q_scaled if name == "openvino" else q
             # warm up off the clock (flex compiles for these very shapes)
-            fn(*(t if name == "flex" else t[:, :256] for t in (q, k, v)))
+            fn(*(t if name == "flex" else t[:, :256] for t in (query, k, v)))
             times = []
             for _ in range(args.reps):
                 start = time.perf_counter()
-                out = fn(q, k, v)
+                out = fn(query, k, v)
                 times.append(time.perf_counter() - start)
             took = statistics.median(times) * HEADS / args.heads
             base = took if name == "sdpa" else base

@@ -44,22 +44,22 @@ from k3_baseline import K3Baseline
 from moonvit import MoonViT, preset_config
 from moonvit.cli import DTYPES, add_threads_argument, apply_threads, output_file, positive_int
 from moonvit.model import flex
-from moonvit.model.attention import AttentionFn, get_attention
+from moonvit.model.attention import AttentionFn, attention_names, get_attention, resolve_attn_implementation
 from moonvit.model.flex import flex_unavailable
 from moonvit.model.grid import PackedGrid, build_packed_grid
 from moonvit.model.linear import cpu_bf16_matmul, cpu_has_bf16_arithmetic, set_cpu_bf16_matmul
 from moonvit.weights.transformers import to_transformers
 
 
-def build(depth: int, dtype: torch.dtype) -> dict[str, Callable]:
-    """Forward callables on the same random weights.
+def build(depth: int, dtype: torch.dtype, attn: str = "sdpa") -> dict[str, Callable]:
+    """Forward callables on the same random weights, ours with attention backend ``attn``.
 
     ``ours`` has the opt-in position cache on (fixed weights, as in a deployed
     encoder), ``ours_default`` runs as constructed (grid cache only),
     ``ours_new_grid`` clears every cache first, ``peer`` is transformers'.
     """
     torch.manual_seed(0)
-    config = preset_config("so400m-3d", num_hidden_layers=depth, attn_implementation="sdpa")
+    config = preset_config("so400m-3d", num_hidden_layers=depth, attn_implementation=attn)
     model = MoonViT(config).to(dtype).eval()
     peer = to_transformers(model)
     model.set_position_cache()
@@ -384,6 +384,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="time the attention backends (sdpa, flex, head_dim padded) on each pack's attention call (default: on)",
     )
+    backends = [name for name in attention_names() if name != "auto"]
+    parser.add_argument(
+        "--attn", nargs="+", choices=["auto", *backends], default=["sdpa"], metavar="ATTN",
+        help=f"our attention backends, each a row, timed interleaved ({', '.join(['auto', *backends])}; "
+        "default: sdpa)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--widened",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time bf16 linears widened to float32 against the bf16 kernels (default: on)",
+    )
     parser.add_argument(
         "--llamacpp",
         action=argparse.BooleanOptionalAction,
@@ -427,18 +439,25 @@ def main(argv: list[str] | None = None) -> None:
         header = [
             "Kimi-K2.5 tower (27 x 1152) against transformers' Kimi_K25VisionModel:",
             "",
-            "| pack | dtype | ours patches/s | peer patches/s | ratio | ours patches/s @27 | peer patches/s @27 "
-            "| ours items/s @27 | ours MFU | peer MFU | ours fixed ms | ours fixed ms, no position cache "
-            "| ours fixed ms, new grid | peer fixed ms | fixed ratio | ours peak MiB | peer peak MiB |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| pack | dtype | ours attention | ours patches/s | peer patches/s | ratio | ours patches/s @27 "
+            "| peer patches/s @27 | ours items/s @27 | ours MFU | peer MFU | ours fixed ms "
+            "| ours fixed ms, no position cache | ours fixed ms, new grid | peer fixed ms | fixed ratio "
+            "| ours peak MiB | peer peak MiB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         print("\n".join(header))
         lines += header
     for dtype_key in args.dtypes if "k25" in args.towers else ():
         dtype = DTYPES[dtype_key]
-        contenders = build(args.depth, dtype)
-        full = {name: contenders[name] for name in ("ours", "peer")}
-        empty = build(0, dtype)
+        # ours once per --attn (interleaved in one run), one peer
+        builds = {attn: build(args.depth, dtype, attn) for attn in args.attn}
+        empties = {attn: build(0, dtype, attn) for attn in args.attn}
+        full = {**{f"ours {attn}": fns["ours"] for attn, fns in builds.items()}, "peer": builds[args.attn[0]]["peer"]}
+        first_empty = empties[args.attn[0]]
+        empty = {
+            **{f"ours {attn}": fns["ours"] for attn, fns in empties.items()},
+            **{name: first_empty[name] for name in ("peer", "ours_default", "ours_new_grid")},
+        }
         for pack_name in args.packs:
             grid_list = PACKS[pack_name]
             grids = as_thw(grid_list)
@@ -449,23 +468,28 @@ def main(argv: list[str] | None = None) -> None:
             with torch.inference_mode():
                 peak = {name: peak_extra_bytes(lambda: fn(pixels, grids)) for name, fn in full.items()}
             row = {}
-            for name in ("ours", "peer"):
+            for name in full:
                 per_block = max(timed[name] - fixed[name], 1e-9) / max(args.depth, 1)
                 full_time = fixed[name] + cfg.num_hidden_layers * per_block
                 flops = model_flops(grid_list, cfg)
                 mfu = flops / full_time / mfu_peak[dtype_key]
                 row[name] = (patches / timed[name], mfu, fixed[name] * 1e3, full_time)
-            ours, peer = row["ours"], row["peer"]
-            line = (
-                f"| {pack_name} | {dtype_key} | {ours[0]:.0f} | {peer[0]:.0f} | {ours[0] / peer[0]:.2f}x | "
-                f"{patches / ours[3]:.0f} | {patches / peer[3]:.0f} | {len(grid_list) / ours[3]:.2f} | "
-                f"{ours[1]:.0%} | {peer[1]:.0%} | {ours[2]:.1f} | {fixed['ours_default'] * 1e3:.1f} | "
-                f"{fixed['ours_new_grid'] * 1e3:.1f} | "
-                f"{peer[2]:.1f} | {ours[2] / peer[2]:.2f} | {mib(peak['ours'])} | {mib(peak['peer'])} |"
-            )
-            print(line, flush=True)
-            lines.append(line)
-    if "k25" in args.towers and "bf16" in args.dtypes:
+            peer = row["peer"]
+            for attn in args.attn:
+                ours = row[f"ours {attn}"]
+                resolved = resolve_attn_implementation(attn, torch.device("cpu"), dtype)
+                label = attn if resolved == attn else f"{attn} ({resolved})"
+                line = (
+                    f"| {pack_name} | {dtype_key} | {label} | {ours[0]:.0f} | {peer[0]:.0f} | "
+                    f"{ours[0] / peer[0]:.2f}x | "
+                    f"{patches / ours[3]:.0f} | {patches / peer[3]:.0f} | {len(grid_list) / ours[3]:.2f} | "
+                    f"{ours[1]:.0%} | {peer[1]:.0%} | {ours[2]:.1f} | {fixed['ours_default'] * 1e3:.1f} | "
+                    f"{fixed['ours_new_grid'] * 1e3:.1f} | {peer[2]:.1f} | {ours[2] / peer[2]:.2f} | "
+                    f"{mib(peak[f'ours {attn}'])} | {mib(peak['peer'])} |"
+                )
+                print(line, flush=True)
+                lines.append(line)
+    if "k25" in args.towers and "bf16" in args.dtypes and args.widened:
         lines += bf16_linear_rows(args)
     if "k25" in args.towers and args.llamacpp:
         lines += llamacpp_rows(args)

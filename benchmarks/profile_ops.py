@@ -20,10 +20,12 @@ outermost op under the block: copies, dtype conversions, concatenations, gathers
 copy/layout, GELU is activation, the rest (and the block's Python glue) is other. Ops outside every
 block (patch embedding, positions, final norm, merger) are the fixed part.
 
-How it becomes wall time. The profiler slows small ops more than large ones, so only the shares are
-taken from it: each forward is also timed without the profiler (median of ``--reps``, interleaved with
-the same tower at depth 0), the per-block wall time is (wall at depth - wall at depth 0) / depth, and
-each class gets its profiled share of block time of that. The fixed part is the depth-0 wall time,
+How it becomes wall time. The profiler slows small ops more than large ones: its own cost per
+recorded op is measured first (a loop of tiny adds, profiled and not) and taken off the self time
+of each op's parent, where it lands; and only the shares are taken from the profile. Each forward
+is also timed without the profiler (median of ``--reps``, interleaved with the same tower at depth
+0), the per-block wall time is (wall at depth - wall at depth 0) / depth, and each class gets its
+profiled share of block time of that. The fixed part is the depth-0 wall time,
 per 1,000 patches per forward (not per block). The tower runs with its opt-in position cache on, the
 pack's grid prepared once (as a deployed encoder runs).
 """
@@ -92,15 +94,17 @@ def labelled(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 def labels(model: MoonViT) -> Iterator[None]:
     """Profiler labels on the block's linears, RoPE, attention, norms and the blocks themselves, for the
     length of the ``with``; everything is put back afterwards (on an exception too)."""
-    saved_linear, saved_rope = blocks_module.linear, blocks_module.apply_rope_
+    # apply_rope where the block still made a rotated copy: the "before" table is measured by this program
+    rope_name = "apply_rope_" if hasattr(blocks_module, "apply_rope_") else "apply_rope"
+    saved_linear, saved_rope = blocks_module.linear, getattr(blocks_module, rope_name)
     saved_bind, saved_forward = encoder_module.bind_attention, Block.forward
 
-    def bind_attention(name: str, grid: PackedGrid) -> Callable[..., torch.Tensor]:
-        return labelled("attention", saved_bind(name, grid))
+    def bind_attention(name: str, grid: PackedGrid, **kwargs: Any) -> Callable[..., torch.Tensor]:
+        return labelled("attention", saved_bind(name, grid, **kwargs))
 
     norms = [norm for block in model.encoder.blocks for norm in (block.norm0, block.norm1)]
     blocks_module.linear = labelled("matmul", saved_linear)  # type: ignore[assignment]
-    blocks_module.apply_rope_ = labelled("rope", saved_rope)
+    setattr(blocks_module, rope_name, labelled("rope", saved_rope))
     encoder_module.bind_attention = bind_attention
     Block.forward = labelled("block", saved_forward)  # type: ignore[method-assign]
     for norm in norms:
@@ -108,7 +112,8 @@ def labels(model: MoonViT) -> Iterator[None]:
     try:
         yield
     finally:
-        blocks_module.linear, blocks_module.apply_rope_ = saved_linear, saved_rope
+        blocks_module.linear = saved_linear
+        setattr(blocks_module, rope_name, saved_rope)
         encoder_module.bind_attention = saved_bind
         Block.forward = saved_forward  # type: ignore[method-assign]
         for norm in norms:
@@ -137,8 +142,28 @@ def classify(event: FunctionEvent) -> str | None:
     return None
 
 
-def profiled_split(forward: Callable[[], object], reps: int, model: MoonViT) -> tuple[dict[str, float], float]:
-    """Profiled self time per class inside blocks, and outside them, in microseconds per forward."""
+def profiler_cost_us(ops: int = 2000) -> float:
+    """Microseconds the profiler adds per recorded op: a loop of ``ops`` tiny adds under one label,
+    timed with and without the profiler (best of 5 each). The cost lands between the ops, in their
+    parent's self time."""
+    a, out = torch.ones(16), torch.empty(16)
+
+    def loop() -> None:
+        with record_function(PREFIX + "calibration"):
+            for _ in range(ops):
+                torch.add(a, a, out=out)
+
+    plain = min(seconds(loop) for _ in range(5))
+    with profile(activities=[ProfilerActivity.CPU]):
+        profiled = min(seconds(loop) for _ in range(5))
+    return max(0.0, (profiled - plain) / ops * 1e6)
+
+
+def profiled_split(
+    forward: Callable[[], object], reps: int, model: MoonViT, cost_us: float
+) -> tuple[dict[str, float], float]:
+    """Profiled self time per class inside blocks, and outside them, in microseconds per forward;
+    each op's self time less ``cost_us`` per op directly below it (the profiler's own cost)."""
     with torch.inference_mode(), labels(model):
         forward()  # warm-up with the labels in place
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -148,10 +173,11 @@ def profiled_split(forward: Callable[[], object], reps: int, model: MoonViT) -> 
     fixed = 0.0
     for event in prof.events():
         kind = classify(event)
+        own = max(0.0, event.self_cpu_time_total - cost_us * len(event.cpu_children))
         if kind is None:
-            fixed += event.self_cpu_time_total
+            fixed += own
         else:
-            split[kind] += event.self_cpu_time_total
+            split[kind] += own
     return {kind: us / reps for kind, us in split.items()}, fixed / reps
 
 
@@ -179,7 +205,7 @@ def wall_seconds(forwards: dict[str, Callable[[], object]], reps: int) -> dict[s
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def pack_report(args: argparse.Namespace, pack_name: str, full: MoonViT, empty: MoonViT) -> list[str]:
+def pack_report(args: argparse.Namespace, pack_name: str, full: MoonViT, empty: MoonViT, cost_us: float) -> list[str]:
     """The table of one pack."""
     dtype = DTYPES[args.dtype]
     grids = as_thw(PACKS[pack_name])
@@ -192,7 +218,7 @@ def pack_report(args: argparse.Namespace, pack_name: str, full: MoonViT, empty: 
         "empty": lambda: empty(pixels, grid=grid0).merged,
     }
     wall = wall_seconds(forwards, args.reps)
-    split, fixed_us = profiled_split(forwards["full"], args.reps, full)
+    split, fixed_us = profiled_split(forwards["full"], args.reps, full, cost_us)
 
     block_us = sum(split.values()) or 1.0
     per_block_s = (wall["full"] - wall["empty"]) / args.depth
@@ -267,9 +293,12 @@ def main(argv: list[str] | None = None) -> None:
         "",
     ]
     print("\n".join(lines), flush=True)
+    cost_us = profiler_cost_us()
+    lines += [f"profiler's own cost: {cost_us:.2f} us per op, taken off its parent's self time", ""]
+    print(lines[-2], flush=True)
     full, empty = build(args.depth, dtype, args.attn), build(0, dtype, args.attn)
     for pack_name in args.packs:
-        lines += pack_report(args, pack_name, full, empty)
+        lines += pack_report(args, pack_name, full, empty, cost_us)
     write_report(args.out, "profile_ops.py", argv, lines)
 
 

@@ -17,12 +17,15 @@ import pytest
 import torch
 from helpers import folder_bytes, make_checkpoint, run_export, with_threads, write_images
 
+from moonvit.model.attention import resolve_attn_implementation
 from projector.export import ExportError, ExportRun, export, load_models, plan_input, ray_engine, scan_inputs
 from projector.export.ray_engine import EncodePacks, fingerprint
 
 ray = pytest.importorskip("ray")
 
 REPO = Path(__file__).resolve().parents[1]
+# the backend a bf16 CPU export runs (OpenVINO's where it is installed and the CPU has bf16 arithmetic)
+ATTENTION = resolve_attn_implementation("auto", torch.device("cpu"), torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +148,7 @@ def test_an_actor_that_would_give_other_bytes_is_refused(checkpoint):
         "torch": "1.0.0",
         "device_type": "cpu",
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "attention": ATTENTION,
     }
     driver = fingerprint(torch.device("cpu"))
     args = (str(checkpoint), ("projected",), "bf16", "cpu", {}, compute, "0" * 64)
@@ -153,6 +157,10 @@ def test_an_actor_that_would_give_other_bytes_is_refused(checkpoint):
     compute["torch"] = torch.__version__
     with pytest.raises(ExportError, match=r"amx: 'other' on the driver"):
         with_threads(EncodePacks, *args, {**driver, "amx": "other"})
+    compute["attention"] = "eager"
+    with pytest.raises(ExportError, match=rf"attention: 'eager' on the driver, '{ATTENTION}' here"):
+        with_threads(EncodePacks, *args, driver)
+    compute["attention"] = ATTENTION
     with pytest.raises(ExportError, match="holds other weights"):
         with_threads(EncodePacks, *args, driver)
 
@@ -165,6 +173,7 @@ def test_a_pack_s_result_carries_its_own_tokens_only(checkpoint, images):
     models = load_models(checkpoint, ("projected",), torch.bfloat16, torch.device("cpu"))
     run_json = {"threads": torch.get_num_threads(), "torch": torch.__version__, "device_type": "cpu"}
     run_json["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    run_json["attention"] = ATTENTION
     actor = EncodePacks(
         str(checkpoint),
         ("projected",),

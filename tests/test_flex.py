@@ -116,7 +116,7 @@ def test_flex_in_float64_is_refused_naming_the_dtype():
 def test_auto_never_picks_flex():
     """flex is opt-in: slower than sdpa on the CPUs measured (see the speed section of benchmarks/README.md)."""
     for dtype in (torch.float32, torch.bfloat16):
-        assert resolve_attn_implementation("auto", torch.device("cpu"), dtype) == "sdpa"
+        assert resolve_attn_implementation("auto", torch.device("cpu"), dtype) in ("sdpa", "openvino")
 
 
 def _fake_kernels(monkeypatch, fail: dict[bool, BaseException | None]):

@@ -1,9 +1,13 @@
 """Attention over a pack of images, each image attending only to itself.
 
-Four backends compute the same block-diagonal attention:
+Five backends compute the same block-diagonal attention:
 
 - ``flash_attention_2``: flash-attn's varlen kernel over the packed sequence
   (CUDA, bf16 / fp16; the optional ``moonvit[flash]`` extra).
+- ``openvino``: on a CPU with bf16 arithmetic, in bf16, items of 1,024 patches or more
+  through OpenVINO's attention (1.25x torch's at 1,024 patches, 1.5-1.8x from 2,048;
+  the optional ``moonvit[openvino]`` extra, :mod:`moonvit.model.openvino_sdpa`), shorter ones
+  through torch's, bit for bit as ``sdpa``.
 - ``sdpa``: torch's ``scaled_dot_product_attention``, one batched call per group
   of equally long images. No (L, L) mask is ever built, so memory grows with the
   total number of patches, not its square.
@@ -12,7 +16,8 @@ Four backends compute the same block-diagonal attention:
   slower than sdpa on the CPUs measured (see the README's speed section).
 - ``eager``: plain math per image, the reference.
 
-``auto`` picks flash-attn where it can run and otherwise falls back to sdpa.
+``auto`` picks flash-attn where it can run, then OpenVINO's (where it is installed, on a bf16
+CPU model), and otherwise sdpa.
 
 The backends live in one registry (:func:`register_attention`): the names that
 configs, ``set_attn_implementation`` and the CLIs accept all come from it, so a
@@ -32,6 +37,13 @@ import torch
 import torch.nn.functional as F
 
 from .flex import flex_attention, flex_not_installed, flex_unavailable
+from .openvino_sdpa import (
+    OPENVINO_MIN_PATCHES,
+    openvino_not_installed,
+    openvino_prescaled_rows,
+    openvino_sdpa,
+    openvino_unavailable,
+)
 
 if TYPE_CHECKING:
     from .grid import AttentionGroup, PackedGrid
@@ -74,37 +86,90 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Pac
     return torch.cat(outputs)
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: PackedGrid) -> torch.Tensor:
-    """Block-diagonal attention with ``F.scaled_dot_product_attention``.
+GroupAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``attend(q, k, v)`` on one group of equally long items: (items, seqlen, heads, head_dim) each, the
+same shape back (any strides)."""
 
-    Images of equal length form one (images, heads, seqlen, head_dim) batch, so
-    32 small images cost one call, not 32, and nothing is padded. Consecutive
-    images are read as views of the packed rows; others are gathered.
+
+def by_groups(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: PackedGrid, attend: GroupAttention
+) -> torch.Tensor:
+    """Block-diagonal attention, one ``attend`` call per group of equally long items.
+
+    Items of equal length form one (items, seqlen, heads, head_dim) batch, so 32 small images cost
+    one call, not 32, and nothing is padded. Consecutive items are read as views of the packed
+    rows; others are gathered (and their results scattered back).
+
+    Args:
+        q, k, v: (L, heads, head_dim) packed rows.
+
+    Returns:
+        (L, heads, head_dim).
     """
     groups = grid.attention_groups
     if len(groups) == 1 and groups[0].start is not None:
-        return _sdpa_group(q, k, v, groups[0], slice(None))
+        return _group(q, k, v, groups[0], slice(None), attend)
     out = q.new_empty(q.shape)
     for group in groups:
         if group.start is not None:
             rows = slice(group.start, group.start + group.num_images * group.seqlen)
-            out[rows] = _sdpa_group(q, k, v, group, rows)
+            out[rows] = _group(q, k, v, group, rows, attend)
         else:
             assert group.token_index is not None
-            out[group.token_index.flatten()] = _sdpa_group(q, k, v, group, group.token_index)
+            out[group.token_index.flatten()] = _group(q, k, v, group, group.token_index, attend)
     return out
 
 
-def _sdpa_group(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AttentionGroup, rows: slice | torch.Tensor
+def _group(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: AttentionGroup,
+    rows: slice | torch.Tensor,
+    attend: GroupAttention,
 ) -> torch.Tensor:
     """Attention of one group; ``rows`` selects its packed rows. Returns (images * seqlen, heads, head_dim)."""
     if isinstance(rows, torch.Tensor):
         q, k, v = (t.index_select(0, rows.flatten()) for t in (q, k, v))
     else:
         q, k, v = (t[rows] for t in (q, k, v))
-    q, k, v = (t.reshape(group.num_images, group.seqlen, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
-    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(0, 1)
+    q, k, v = (t.reshape(group.num_images, group.seqlen, *t.shape[1:]) for t in (q, k, v))
+    return attend(q, k, v).flatten(0, 1)
+
+
+def sdpa_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` on one group, (items, seqlen, heads, head_dim) in and out."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(1, 2)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: PackedGrid) -> torch.Tensor:
+    """Block-diagonal attention with ``F.scaled_dot_product_attention``, one batched call per group of
+    equally long items (:func:`by_groups`). No (L, L) mask is ever built."""
+    return by_groups(q, k, v, grid, sdpa_group)
+
+
+def openvino_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: PackedGrid, scale: float | None = None
+) -> torch.Tensor:
+    """Items of at least :data:`~moonvit.model.openvino_sdpa.OPENVINO_MIN_PATCHES` rows through OpenVINO's
+    bf16 SDPA, the others (and every item under autograd or a tracer) through torch's, with ``scale``
+    (default: head_dim ** -0.5) on the long items only: the encoder hands the long items' q already
+    scaled (:func:`query_scale`) and binds ``scale=1.0``."""
+
+    def attend(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor) -> torch.Tensor:
+        if qg.shape[1] >= OPENVINO_MIN_PATCHES and not _recorded_or_traced(qg, kg, vg):
+            return openvino_sdpa(qg, kg, vg, scale)
+        return sdpa_group(qg, kg, vg, scale if qg.shape[1] >= OPENVINO_MIN_PATCHES else None)
+
+    return by_groups(q, k, v, grid, attend)
+
+
+def _recorded_or_traced(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records these tensors or a tracer (torch.compile, ONNX export) sees them."""
+    if torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export():
+        return True
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: PackedGrid) -> torch.Tensor:
@@ -138,6 +203,11 @@ class AttentionBackend:
         installed: whether its package is importable at all (checked when it is asked for by name).
         auto: whether ``auto`` may pick it; ``auto`` takes the first such backend, in
             registration order, that can run.
+        prescaled_rows: for a backend that would round ``q * head_dim ** -0.5`` to q's dtype itself
+            (a second rounding of q: OpenVINO's), ``prescaled_rows(grid)``, (L,) bool, the rows
+            whose q it takes already scaled (None: none in this pack). The encoder then scales them
+            in their RoPE rotation, rounded once (:func:`query_scale`), and binds ``fn`` with
+            ``scale=1.0`` (the scale of those rows; the others keep the default).
     """
 
     name: str
@@ -145,6 +215,7 @@ class AttentionBackend:
     unavailable: Callable[[torch.device, torch.dtype], str | None]
     installed: Callable[[], str | None]
     auto: bool
+    prescaled_rows: Callable[[PackedGrid], torch.Tensor | None] | None = None
 
 
 _BACKENDS: dict[str, AttentionBackend] = {}
@@ -161,11 +232,12 @@ def register_attention(
     unavailable: Callable[[torch.device, torch.dtype], str | None] = _always,
     installed: Callable[[], str | None] = _always,
     auto: bool = False,
+    prescaled_rows: Callable[[PackedGrid], torch.Tensor | None] | None = None,
 ) -> None:
     """Add (or replace) an attention backend; see :class:`AttentionBackend`."""
     if name == "auto":
         raise ValueError("'auto' is reserved for the automatic choice")
-    _BACKENDS[name] = AttentionBackend(name, fn, unavailable, installed, auto)
+    _BACKENDS[name] = AttentionBackend(name, fn, unavailable, installed, auto, prescaled_rows)
 
 
 def attention_names() -> tuple[str, ...]:
@@ -178,14 +250,36 @@ def get_attention(name: str) -> AttentionFn:
     return _BACKENDS[name].fn
 
 
-def bind_attention(name: str, grid: PackedGrid) -> BoundAttention:
-    """The registered backend ``name`` (not ``auto``: resolve it first) bound to ``grid``'s pack."""
+def bind_attention(name: str, grid: PackedGrid, *, prescaled: bool = False) -> BoundAttention:
+    """The registered backend ``name`` (not ``auto``: resolve it first) bound to ``grid``'s pack;
+    ``prescaled``: the rows :func:`query_scale` scales arrive with q already scaled."""
     fn = _BACKENDS[name].fn
+    if prescaled:
+        if _BACKENDS[name].prescaled_rows is None:
+            raise ValueError(f"attention backend {name!r} takes no prescaled q")
+        takes_scale: Callable[..., torch.Tensor] = fn  # such a backend's fn takes ``scale`` too
+
+        def attend_scaled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return takes_scale(q, k, v, grid, scale=1.0)
+
+        return attend_scaled
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return fn(q, k, v, grid)
 
     return attend
+
+
+def query_scale(name: str, grid: PackedGrid, head_dim: int) -> torch.Tensor | None:
+    """(L,) float32 factor of each row's q before its rounding: ``head_dim ** -0.5`` on the rows backend
+    ``name`` takes prescaled, 1.0 elsewhere (exact: those rows keep their bits); None where it takes
+    none in this pack (every backend but OpenVINO's). Bind with ``prescaled=True`` when it is not None."""
+    rows_of = _BACKENDS[name].prescaled_rows
+    rows = None if rows_of is None else rows_of(grid)
+    if rows is None:
+        return None
+    one = torch.ones((), dtype=torch.float32, device=rows.device)
+    return torch.where(rows, one * head_dim**-0.5, one)
 
 
 def check_attn_name(name: str) -> None:
@@ -255,6 +349,14 @@ def _flash_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
 
 register_attention(
     "flash_attention_2", flash_attention, unavailable=_flash_unavailable, installed=_flash_not_installed, auto=True
+)
+register_attention(
+    "openvino",
+    openvino_attention,
+    unavailable=openvino_unavailable,
+    installed=openvino_not_installed,
+    auto=True,
+    prescaled_rows=openvino_prescaled_rows,
 )
 register_attention("sdpa", sdpa_attention, auto=True)
 register_attention("flex", flex_attention, unavailable=flex_unavailable, installed=flex_not_installed)

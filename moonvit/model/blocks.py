@@ -146,7 +146,9 @@ class Block(nn.Module):
 
         Args:
             x: (L, D) rows.
-            rotation: (L, head_dim // 2, 2) RoPE (cos, sin) of each row (``grid.rope_rotation``).
+            rotation: (L, head_dim // 2, 2) RoPE (cos, sin) of each row (``grid.rope_rotation``), or
+                (L, 2, 1, head_dim // 2, 2), q's rotation scaled beside k's
+                (:func:`~moonvit.model.rope.scale_query`, for a backend that takes q scaled).
             attend: ``attend(q, k, v)`` on (L, heads, head_dim), attention within each item, bound
                 to the pack (:func:`~moonvit.model.attention.bind_attention`; the ONNX graph binds
                 its padded attention): the encoder, the trainer and the export run this one module.

@@ -15,11 +15,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .attention import bind_attention, check_attn_implementation, resolve_attn_implementation
+from .attention import bind_attention, check_attn_implementation, query_scale, resolve_attn_implementation
 from .blocks import Block, make_norm
 from .config import MoonViTConfig, preset_config
 from .grid import GridCache, GridInput, PackedGrid, build_packed_grid, check_pixel_shape, validate_grid_thws
 from .position import LearnablePositionTable
+from .rope import scale_query
 
 
 @dataclass
@@ -96,6 +97,7 @@ class Encoder(nn.Module):
         rates = [config.drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
         self.blocks = nn.ModuleList(Block.from_config(config, drop_path=rate) for rate in rates)
         self.final_layernorm = make_norm(config.hidden_size, config.norm_type, config.layer_norm_eps)
+        self.head_dim = config.head_dim
         self.gradient_checkpointing = False
 
     def forward(
@@ -108,12 +110,15 @@ class Encoder(nn.Module):
         """Run the blocks; returns the normed output and the hidden states whose indices
         (0 = embeddings, i = block i's output) are in ``keep_hidden``."""
         hidden = {0: x} if 0 in keep_hidden else {}
-        attend = bind_attention(attn_implementation, grid)
+        # A backend that would round q * scale to bf16 itself (OpenVINO) gets q scaled in its rotation.
+        scale = query_scale(attn_implementation, grid, self.head_dim)
+        attend = bind_attention(attn_implementation, grid, prescaled=scale is not None)
+        rotation = grid.rope_rotation if scale is None else scale_query(grid.rope_rotation, scale)
         for i, block in enumerate(self.blocks, start=1):
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, grid.rope_rotation, attend, grid, use_reentrant=False)
+                x = checkpoint(block, x, rotation, attend, grid, use_reentrant=False)
             else:
-                x = block(x, grid.rope_rotation, attend, grid)
+                x = block(x, rotation, attend, grid)
             if i in keep_hidden:
                 hidden[i] = x
         return self.final_layernorm(x), hidden
@@ -176,7 +181,8 @@ class MoonViT(nn.Module):
         return self.patch_embed.proj.weight.device
 
     def set_attn_implementation(self, attn_implementation: str) -> None:
-        """Switch the attention backend: ``auto`` or a registered one (flash_attention_2, sdpa, flex, eager)."""
+        """Switch the attention backend: ``auto`` or a registered one (flash_attention_2, openvino, sdpa,
+        flex, eager)."""
         check_attn_implementation(attn_implementation)
         self.config.attn_implementation = attn_implementation
 

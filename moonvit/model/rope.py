@@ -51,7 +51,8 @@ def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     Args:
         x: (L, ..., head_dim) in any float dtype, e.g. q as (L, heads, head_dim), or q and k
             as (L, 2, heads, head_dim).
-        rotation: (L, head_dim // 2, 2) from :func:`rope_rotation`.
+        rotation: (L, head_dim // 2, 2) from :func:`rope_rotation`, or for q and k stacked
+            (L, 2, 1, head_dim // 2, 2) from :func:`scale_query`.
 
     Returns:
         x's shape and dtype, rotated in float32 (float64 stays float64). Eager, one complex
@@ -96,8 +97,26 @@ def apply_rope_(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def scale_query(rotation: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q's rotation times a per-row factor beside k's own, for q and k stacked as (L, 2, heads, head_dim).
+
+    Args:
+        rotation: (L, P, 2) from :func:`rope_rotation`.
+        scale: (L,) float32, each row's factor of q (1.0 keeps a row's bits).
+
+    Returns:
+        (L, 2, 1, P, 2) float32: q's (cos, sin) scaled, then k's. :func:`apply_rope` and
+        :func:`apply_rope_` take it in place of ``rotation``: q comes out multiplied by its factor,
+        computed in float32 with the rotation and rounded once.
+    """
+    return torch.stack([rotation * scale[:, None, None], rotation], dim=1).unsqueeze(2)
+
+
 def _broadcast(rotation: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(L, P, 2) -> (L, 1, ..., 1, P, 2) in ``dtype``, to broadcast over x's middle dimensions."""
+    """(L, P, 2) -> (L, 1, ..., 1, P, 2) in ``dtype``, to broadcast over x's middle dimensions; a rotation
+    shaped for x already (:func:`scale_query`'s) is only converted."""
+    if rotation.ndim == x.ndim + 1:
+        return rotation.to(dtype)
     return rotation.to(dtype).view(rotation.shape[0], *([1] * (x.ndim - 2)), *rotation.shape[1:])
 
 

@@ -12,6 +12,7 @@ import torch
 
 from moonvit import MoonViT, MoonViTImageProcessor, VisionEncoder
 from moonvit.media.video import MoonViTVideoProcessor
+from moonvit.model.attention import resolve_attn_implementation
 from moonvit.weights.checkpoint import CheckpointError, update_weights_digest
 
 from ..model import MoonViTProjector
@@ -29,6 +30,11 @@ class Models:
     processor: MoonViTImageProcessor
     video_processor: MoonViTVideoProcessor
     checkpoint_sha256: str
+
+    def attention(self, device: torch.device) -> str:
+        """The attention backend the encoder runs on ``device`` (``auto`` resolved: OpenVINO's where it is
+        installed, on a bf16 CPU): part of what the tokens' bytes depend on."""
+        return resolve_attn_implementation(self.encoder.config.attn_implementation, device, self.encoder.dtype)
 
 
 def load_models(

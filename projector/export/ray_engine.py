@@ -195,6 +195,7 @@ class EncodePacks:
         _check_same(compute, here, "an encoder actor")
         _check_same(driver, fingerprint(target), "an encoder actor")
         self.models = load_models(checkpoint, store, torch_dtype(dtype), target, dict(processor_overrides))
+        _check_same(compute, {"attention": self.models.attention(target)}, "an encoder actor")
         if self.models.checkpoint_sha256 != weights_sha256:
             raise ExportError(f"--checkpoint {checkpoint} holds other weights on {platform.node()} than the driver's")
         self.store = tuple(store)

@@ -62,6 +62,7 @@ def describe_run(run: ExportRun, models: Models, images: Sequence[InputImage], d
             "torch": torch.__version__,
             "device_type": device.type,
             "cpu_capability": torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else None,
+            "attention": models.attention(device),
         },
     }
     return json.loads(json.dumps(description))

@@ -1,0 +1,136 @@
+"""OpenVINO's CPU attention in bf16, for the long items of a pack.
+
+On a CPU with bf16 arithmetic, OpenVINO's ScaledDotProductAttention in bf16 beats torch's CPU flash
+kernel on long items (16 heads of 72, 2 threads, AMD Zen 4: about the same speed at 256 patches,
+1.25x at 1,024, 1.5-1.8x at 2,048 and 4,096; ``benchmarks/bench_attention_cpu.py`` at 4,096 and
+25,600). The backend ``openvino`` (:mod:`moonvit.model.attention`) sends items of at least
+:data:`OPENVINO_MIN_PATCHES` rows here and the others to torch's SDPA.
+
+Accuracy. OpenVINO multiplies the bf16 q by the scale and rounds the product to bf16: a second
+rounding of q, which leaves its result 1.5x further from float64 than torch's (whose scale goes on
+the float32 scores). Given q already scaled and ``scale=1.0`` (exact), it rounds nothing twice and
+its error is the reference's. So the encoder multiplies the long items' q by ``head_dim ** -0.5``
+inside their RoPE rotation, in float32 before the one rounding to bf16
+(:func:`~moonvit.model.attention.query_scale`); called without it, :func:`openvino_sdpa` scales q
+itself, as OpenVINO would.
+
+OpenVINO is optional (``pip install 'moonvit[openvino]'``), imported on first use; one model is
+compiled per torch thread count (in milliseconds, dynamic shapes) and runs with that many threads.
+Tensors go in and out without copies (bf16 buffers shared with OpenVINO). There is no backward:
+under autograd, ``torch.compile`` or ONNX export every item takes torch's SDPA.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .linear import cpu_has_bf16_arithmetic
+
+if TYPE_CHECKING:
+    from .grid import PackedGrid
+
+OPENVINO_MIN_PATCHES = 1024
+"""Items of at least this many rows go through OpenVINO (1.25x torch's SDPA at 1,024; even at 256)."""
+
+_lock = threading.Lock()
+_compiled: dict[int, Any] = {}
+
+
+@functools.cache
+def openvino_not_installed() -> str | None:
+    """Why the openvino backend cannot be imported, or None."""
+    if importlib.util.find_spec("openvino") is None:
+        return "it needs OpenVINO, which is not installed (pip install 'moonvit[openvino]')"
+    return None
+
+
+def openvino_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the openvino backend does not run for a model on ``device`` in ``dtype``, or None."""
+    if device.type != "cpu":
+        return f"OpenVINO's attention runs on CPU, the model is on {device.type}"
+    if dtype != torch.bfloat16:
+        return f"OpenVINO's attention is used in bf16 (in float32 it is slower than sdpa), the model is {dtype}"
+    if not cpu_has_bf16_arithmetic():
+        return "this CPU has no bf16 arithmetic (AVX512-BF16 or AMX): OpenVINO's bf16 attention is slower here"
+    return None
+
+
+def openvino_prescaled_rows(grid: PackedGrid) -> torch.Tensor | None:
+    """(L,) bool: the rows of items of at least :data:`OPENVINO_MIN_PATCHES`, whose q the backend takes
+    already scaled; None where the pack has no such item."""
+    long_items = torch.tensor(grid.seqlens) >= OPENVINO_MIN_PATCHES
+    if not bool(long_items.any()):
+        return None
+    return long_items.to(grid.item_index.device).index_select(0, grid.item_index)
+
+
+def openvino_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v by OpenVINO, in bf16 on CPU.
+
+    Args:
+        q, k, v: (items, seqlen, heads, head_dim) bf16, any strides.
+        scale: None for ``head_dim ** -0.5``; 1.0 for a q already scaled (as the encoder hands it).
+
+    Returns:
+        (items, seqlen, heads, head_dim) bf16, contiguous.
+    """
+    if q.dtype != torch.bfloat16 or q.device.type != "cpu":
+        raise ValueError(f"OpenVINO's attention takes bf16 CPU tensors, got {q.dtype} on {q.device.type}")
+    if scale != 1.0:
+        factor = q.shape[-1] ** -0.5 if scale is None else scale
+        q = (q.float() * factor).to(q.dtype)
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    out = torch.empty(q.shape, dtype=q.dtype)
+    request = _compiled_attention(torch.get_num_threads()).create_infer_request()
+    for i, tensor in enumerate((q, k, v)):
+        request.set_input_tensor(i, _shared(tensor))
+    request.set_output_tensor(0, _shared(out))
+    try:
+        request.infer()
+    except RuntimeError as error:
+        raise RuntimeError(f"OpenVINO's attention failed on q, k, v of {tuple(q.shape)}: {error}") from error
+    return out
+
+
+def _shared(tensor: torch.Tensor) -> Any:
+    """An OpenVINO bf16 tensor over ``tensor``'s own (contiguous) memory."""
+    import openvino as ov
+
+    return ov.Tensor(tensor.view(torch.int16).numpy(), list(tensor.shape), ov.Type.bf16)
+
+
+def _compiled_attention(threads: int) -> Any:
+    """The compiled (items, seqlen, heads, head_dim) bf16 attention with scale 1, for ``threads`` threads."""
+    with _lock:
+        compiled = _compiled.get(threads)
+        if compiled is None:
+            compiled = _compiled[threads] = _compile(threads)
+        return compiled
+
+
+def _compile(threads: int) -> Any:
+    import numpy as np
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    # bf16 in and out, shared with torch; the attention itself is declared in float32 and computed
+    # in bf16 by the precision hint: declared in bf16 it takes a path 3x further from float64.
+    # Its SDPA takes (..., seqlen, head_dim): heads go before the rows and back inside the graph.
+    params = [ops.parameter([-1, -1, -1, -1], ov.Type.bf16, name=name) for name in ("q", "k", "v")]
+    order = ops.constant(np.array([0, 2, 1, 3], dtype=np.int64))
+    q, k, v = (ops.transpose(ops.convert(param, "f32"), order) for param in params)
+    one = ops.constant(np.array(1.0, dtype=np.float32))
+    out = ops.transpose(ops.scaled_dot_product_attention(q, k, v, scale=one, causal=False), order)
+    out = ops.convert(out, "bf16")
+    config = {
+        "INFERENCE_PRECISION_HINT": "bf16",
+        "INFERENCE_NUM_THREADS": threads,
+        "PERFORMANCE_HINT": "LATENCY",
+        "ENABLE_CPU_PINNING": False,  # a guest in the caller's process: torch's threads stay movable
+    }
+    return ov.Core().compile_model(ov.Model([out], params, "moonvit_attention"), "CPU", config)

@@ -1,0 +1,172 @@
+"""The ``openvino`` backend: OpenVINO's bf16 attention on long items, as close to float64 as torch's
+SDPA once q comes scaled in its rotation; short items keep sdpa's bits; no OpenVINO under autograd;
+what ``auto`` picks and what is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import random_pack, tiny_model, with_threads
+
+from moonvit.model import attention, openvino_sdpa
+from moonvit.model.attention import AttentionUnavailableError, resolve_attn_implementation
+from moonvit.model.linear import cpu_has_bf16_arithmetic as host_has_bf16_arithmetic
+from moonvit.model.openvino_sdpa import OPENVINO_MIN_PATCHES
+
+pytest.importorskip("openvino")
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def bf16_cpu(monkeypatch):
+    """Every host runs these: on a CPU without bf16 arithmetic OpenVINO computes in float32 (slower,
+    the same answers), where the backend is otherwise refused."""
+    monkeypatch.setattr(openvino_sdpa, "cpu_has_bf16_arithmetic", lambda: True)
+
+
+@pytest.fixture
+def ov_calls(monkeypatch):
+    """The shapes of q in each call that reaches OpenVINO."""
+    calls: list[tuple[int, ...]] = []
+    real = attention.openvino_sdpa
+
+    def spy(q, k, v, scale=None):
+        calls.append(tuple(q.shape))
+        return real(q, k, v, scale)
+
+    monkeypatch.setattr(attention, "openvino_sdpa", spy)
+    return calls
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_prescaled_q_makes_openvino_as_close_to_float64_as_torch():
+    """q as RoPE leaves it, in float32 before its rounding; logits spread over about +-10 as in a
+    trained tower. torch's SDPA rounds q once; OpenVINO given q * scale rounded once is as close;
+    left to scale a rounded q itself it rounds twice and lands further off (why the encoder prescales)."""
+    torch.manual_seed(0)
+    heads, head_dim, n = 4, 72, OPENVINO_MIN_PATCHES
+    q, k, v = (torch.randn(1, n, heads, head_dim) for _ in range(3))
+    q, k = q * 1.8, (k * 1.8).bfloat16()
+    v = v.bfloat16()
+    scale = head_dim**-0.5
+    rows = slice(0, 256)
+    logits = torch.einsum("qhd,khd->hqk", q[0, rows].double(), k[0].double()) * scale
+    exact = torch.einsum("hqk,khd->qhd", logits.softmax(-1), v[0].double())
+    own = rel(exact.bfloat16(), exact)  # the bf16 answer's own error, about 1.7e-3
+    errors = {
+        "sdpa": rel(attention.sdpa_group(q.bfloat16(), k, v)[0, rows], exact),
+        "openvino, q prescaled": rel(openvino_sdpa.openvino_sdpa((q * scale).bfloat16(), k, v, 1.0)[0, rows], exact),
+        "openvino, q rounded then scaled": rel(openvino_sdpa.openvino_sdpa(q.bfloat16(), k, v)[0, rows], exact),
+    }
+    # measured: sdpa 3.8e-3, prescaled 4.1e-3 (within the answer's own error of sdpa's), rounded twice 5.2e-3
+    assert errors["openvino, q prescaled"] <= errors["sdpa"] + 0.5 * own, errors
+    if host_has_bf16_arithmetic():  # elsewhere OpenVINO may compute in float32: then nothing is rounded twice
+        assert errors["openvino, q rounded then scaled"] >= 1.15 * errors["openvino, q prescaled"], errors
+
+
+def test_a_long_item_goes_through_openvino_as_accurately_as_sdpa_and_short_items_keep_sdpa_bits(ov_calls):
+    """One pack: two items of 1,024 patches (one OpenVINO call per block for both) and two short ones."""
+    exact_model, model = tiny_model(seed=3), tiny_model(seed=3, dtype=torch.bfloat16)
+    grids = [(32, 32), (4, 4), (32, 32), (2, 6)]
+    pixels, grid_hws = random_pack(grids, seed=1)
+    with torch.no_grad():
+        exact = exact_model(pixels, grid_hws).last_hidden_state
+        outputs = {}
+        for name in ("sdpa", "openvino"):
+            model.set_attn_implementation(name)
+            outputs[name] = model(pixels.bfloat16(), grid_hws).last_hidden_state
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert ov_calls == [(2, 1024, config.num_attention_heads, head_dim)] * config.num_hidden_layers
+    item = torch.repeat_interleave(torch.arange(len(grids)), torch.tensor([h * w for h, w in grids]))
+    long_rows, short_rows = item.unsqueeze(1).eq(torch.tensor([0, 2])).any(1), item.eq(1) | item.eq(3)
+    errors = {name: rel(out[long_rows], exact[long_rows]) for name, out in outputs.items()}
+    assert errors["openvino"] <= 1.1 * errors["sdpa"], errors
+    assert not torch.equal(outputs["openvino"][long_rows], outputs["sdpa"][long_rows])
+    assert torch.equal(outputs["openvino"][short_rows], outputs["sdpa"][short_rows])
+
+
+def test_a_pack_of_short_items_is_sdpa_bit_for_bit(ov_calls):
+    model = tiny_model(seed=1, dtype=torch.bfloat16)
+    pixels, grid_hws = random_pack([(16, 16), (10, 14)], seed=2)
+    with torch.no_grad():
+        outputs = {}
+        for name in ("sdpa", "openvino"):
+            model.set_attn_implementation(name)
+            outputs[name] = model(pixels.bfloat16(), grid_hws).merged
+    assert ov_calls == []
+    assert torch.equal(outputs["openvino"], outputs["sdpa"])
+
+
+def test_bound_without_prescaling_it_scales_q_itself():
+    """A caller that binds the backend on its own (no prescaled q) gets attention with the usual scale."""
+    torch.manual_seed(0)
+    model = tiny_model()
+    grid = model.prepare_grid(torch.tensor([[1, 32, 32], [1, 4, 4]]))
+    q, k, v = (torch.randn(len(grid.item_index), 2, 24).bfloat16() for _ in range(3))
+    ours = attention.bind_attention("openvino", grid)(q, k, v)
+    reference = attention.bind_attention("eager", grid)(*(t.double() for t in (q, k, v)))
+    assert rel(ours, reference) < 1e-2
+
+
+def test_under_autograd_every_item_takes_torch_sdpa(ov_calls):
+    """OpenVINO has no backward: with gradients every item runs torch's SDPA (long items on the
+    prescaled q, with scale 1), and the gradients match sdpa's."""
+    grads = {}
+    pixels, grid_hws = random_pack([(32, 32), (2, 4)], seed=5)
+    for name in ("sdpa", "openvino"):
+        model = tiny_model(seed=2, dtype=torch.bfloat16, attn_implementation=name)
+        x = pixels.bfloat16().requires_grad_()
+        model(x, grid_hws).merged.float().square().sum().backward()
+        grads[name] = x.grad
+    assert ov_calls == []
+    assert rel(grads["openvino"], grads["sdpa"]) < 5e-2
+
+
+def test_one_compiled_model_per_thread_count():
+    q, k, v = (torch.randn(1, 64, 2, 8).bfloat16() for _ in range(3))
+
+    def on(threads: int) -> torch.Tensor:
+        torch.set_num_threads(threads)
+        return openvino_sdpa.openvino_sdpa(q, k, v)
+
+    first, second = with_threads(on, 1), with_threads(on, 2)
+    assert {1, 2} <= set(openvino_sdpa._compiled)
+    torch.testing.assert_close(first, second, rtol=2e-2, atol=2e-2)
+    expected = F.scaled_dot_product_attention(*(t.transpose(1, 2).float() for t in (q, k, v))).transpose(1, 2)
+    torch.testing.assert_close(first.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_auto_picks_openvino_for_bf16_on_cpu_only():
+    assert resolve_attn_implementation("auto", CPU, torch.bfloat16) == "openvino"
+    assert resolve_attn_implementation("auto", CPU, torch.float32) == "sdpa"
+    assert resolve_attn_implementation("auto", torch.device("cuda"), torch.bfloat16) != "openvino"
+
+
+def test_refusals_name_the_reason(monkeypatch):
+    with pytest.raises(AttentionUnavailableError, match="used in bf16.*torch.float32"):
+        resolve_attn_implementation("openvino", CPU, torch.float32)
+    with pytest.raises(AttentionUnavailableError, match="runs on CPU, the model is on cuda"):
+        resolve_attn_implementation("openvino", torch.device("cuda"), torch.bfloat16)
+    with pytest.raises(ValueError, match="takes bf16 CPU tensors, got torch.float32"):
+        openvino_sdpa.openvino_sdpa(*(torch.randn(1, 4, 2, 8) for _ in range(3)))
+    monkeypatch.setattr(openvino_sdpa, "cpu_has_bf16_arithmetic", lambda: False)
+    assert resolve_attn_implementation("auto", CPU, torch.bfloat16) == "sdpa"
+    with pytest.raises(AttentionUnavailableError, match="no bf16 arithmetic"):
+        resolve_attn_implementation("openvino", CPU, torch.bfloat16)
+
+
+def test_not_installed_auto_falls_back_and_the_name_says_how_to_install(monkeypatch):
+    backend = attention._BACKENDS["openvino"]
+    missing = dataclasses.replace(backend, installed=lambda: "it needs OpenVINO (pip install 'moonvit[openvino]')")
+    monkeypatch.setitem(attention._BACKENDS, "openvino", missing)
+    assert resolve_attn_implementation("auto", CPU, torch.bfloat16) == "sdpa"
+    with pytest.raises(AttentionUnavailableError, match=r"pip install 'moonvit\[openvino\]'"):
+        resolve_attn_implementation("openvino", CPU, torch.bfloat16)
