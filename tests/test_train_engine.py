@@ -126,7 +126,7 @@ def test_fsdp2_resumes_at_another_world_size(tmp_path, first, then):
     assert not (out / "results.json").exists() and (out / "state" / "last.pt").is_file()
     command = torchrun(2, args, out) if then == 2 else alone
     result = run_ranks(command)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     resumed = re.search(rf"resuming .* at step (\d+) of 12 \({then} ranks\)", result.stdout)
     assert resumed and 2 <= int(resumed.group(1)) < 12, result.stdout
     results = json.loads((out / "results.json").read_text())

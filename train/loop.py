@@ -360,7 +360,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ranks, device = init_ranks(config.runtime.device)
     try:
         with one_line_warnings(), interruptible(config.run.out):
-            return run(config, ranks, device)
+            results = run(config, ranks, device)
+        # Every rank leaves the process group together: none tears down its connections while rank 0
+        # still writes the results (only on success: after a failure the others may never arrive).
+        ranks.barrier()
+        return results
     except (DataError, RunMismatch, TrainError, UnreadableImageError) as error:
         raise SystemExit(f"error: {error}") from error
     except Interrupted as interrupted:
