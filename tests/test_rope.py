@@ -103,3 +103,20 @@ def test_rotating_what_autograd_records_returns_a_copy():
     assert torch.equal(out, apply_rope(qkv[:, :2], rotation))
     out.sum().backward()
     assert qkv.grad is not None and qkv.grad[:, 2].abs().sum() == 0
+
+
+def test_rotating_in_place_takes_the_scaled_query_rotation_and_empty_packs():
+    """scale_query's (L, 2, 1, P, 2) rotation, in place as in the copy: q's rows of factor 1 and k keep
+    the plain rotation's bits, q's scaled rows are the plain rotation times the factor (to a bf16
+    rounding); a pack of no rows is left as it is."""
+    qkv = torch.randn(20, 3, 2, 8).bfloat16()
+    rotation = rope_rotation(torch.randint(0, 10, (20, 2)), 8, 10000.0)
+    factor = torch.where(torch.arange(20) < 12, torch.tensor(8**-0.5), torch.tensor(1.0))
+    scaled = rope.scale_query(rotation, factor)
+    plain, expected = apply_rope(qkv[:, :2], rotation), apply_rope(qkv[:, :2], scaled)
+    apply_rope_(qkv[:, :2], scaled)
+    assert torch.equal(qkv[:, :2], expected)
+    assert torch.equal(qkv[:, 1], plain[:, 1]) and torch.equal(qkv[12:, 0], plain[12:, 0])
+    torch.testing.assert_close(qkv[:12, 0].float(), plain[:12, 0].float() * 8**-0.5, rtol=8e-3, atol=1e-6)
+    empty = torch.empty(0, 3, 2, 8).bfloat16()
+    assert apply_rope_(empty[:, :2], rotation[:0]).shape == (0, 2, 2, 8)
