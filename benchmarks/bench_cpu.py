@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -51,38 +51,49 @@ from moonvit.model.linear import cpu_bf16_matmul, cpu_has_bf16_arithmetic, set_c
 from moonvit.weights.transformers import to_transformers
 
 
-def build(depth: int, dtype: torch.dtype, attn: str = "sdpa") -> dict[str, Callable]:
-    """Forward callables on the same random weights, ours with attention backend ``attn``.
+def build(depth: int, dtype: torch.dtype, attns: Sequence[str] = ("sdpa",)) -> dict[str, Callable]:
+    """Forward callables on the same random weights: one model, its attention backend set per call.
 
-    ``ours`` has the opt-in position cache on (fixed weights, as in a deployed
-    encoder), ``ours_default`` runs as constructed (grid cache only),
-    ``ours_new_grid`` clears every cache first, ``peer`` is transformers'.
+    ``ours <attn>`` for each of ``attns`` (``ours``: the first) has the opt-in position cache on
+    (fixed weights, as in a deployed encoder), ``ours_default`` runs as constructed (grid cache
+    only), ``ours_new_grid`` clears every cache first (both with the first backend), ``peer`` is
+    transformers'.
     """
     torch.manual_seed(0)
-    config = preset_config("so400m-3d", num_hidden_layers=depth, attn_implementation=attn)
+    config = preset_config("so400m-3d", num_hidden_layers=depth, attn_implementation=attns[0])
     model = MoonViT(config).to(dtype).eval()
     peer = to_transformers(model)
     model.set_position_cache()
     table = model.patch_embed.pos_emb
 
-    def ours(pixels, grids):
-        return model(pixels, grids).merged
+    def on(attn: str) -> Callable:
+        def ours(pixels, grids):
+            model.set_attn_implementation(attn)
+            return model(pixels, grids).merged
+
+        return ours
 
     def ours_default(pixels, grids):
         budget, table.cache_patches = table.cache_patches, 0
         try:
-            return model(pixels, grids).merged
+            return on(attns[0])(pixels, grids)
         finally:
             table.cache_patches = budget
 
     def ours_new_grid(pixels, grids):
         model.clear_caches()
-        return model(pixels, grids).merged
+        return on(attns[0])(pixels, grids)
 
     def theirs(pixels, grids):
         return peer(pixels, grids).pooler_output
 
-    return {"ours": ours, "peer": theirs, "ours_default": ours_default, "ours_new_grid": ours_new_grid}
+    return {
+        "ours": on(attns[0]),
+        **{f"ours {attn}": on(attn) for attn in attns},
+        "peer": theirs,
+        "ours_default": ours_default,
+        "ours_new_grid": ours_new_grid,
+    }
 
 
 def time_interleaved(contenders: dict[str, Callable], pixels, grids, repeats: int) -> dict[str, float]:
@@ -449,15 +460,11 @@ def main(argv: list[str] | None = None) -> None:
         lines += header
     for dtype_key in args.dtypes if "k25" in args.towers else ():
         dtype = DTYPES[dtype_key]
-        # ours once per --attn (interleaved in one run), one peer
-        builds = {attn: build(args.depth, dtype, attn) for attn in args.attn}
-        empties = {attn: build(0, dtype, attn) for attn in args.attn}
-        full = {**{f"ours {attn}": fns["ours"] for attn, fns in builds.items()}, "peer": builds[args.attn[0]]["peer"]}
-        first_empty = empties[args.attn[0]]
-        empty = {
-            **{f"ours {attn}": fns["ours"] for attn, fns in empties.items()},
-            **{name: first_empty[name] for name in ("peer", "ours_default", "ours_new_grid")},
-        }
+        # ours once per --attn (interleaved in one run, one model), one peer
+        ours_names = [f"ours {attn}" for attn in args.attn]
+        contenders, empties = build(args.depth, dtype, args.attn), build(0, dtype, args.attn)
+        full = {name: contenders[name] for name in (*ours_names, "peer")}
+        empty = {name: empties[name] for name in (*ours_names, "peer", "ours_default", "ours_new_grid")}
         for pack_name in args.packs:
             grid_list = PACKS[pack_name]
             grids = as_thw(grid_list)

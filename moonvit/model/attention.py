@@ -44,6 +44,7 @@ from .openvino_sdpa import (
     openvino_sdpa,
     openvino_unavailable,
 )
+from .tracing import recorded_or_traced
 
 if TYPE_CHECKING:
     from .grid import AttentionGroup, PackedGrid
@@ -158,18 +159,11 @@ def openvino_attention(
     scaled (:func:`query_scale`) and binds ``scale=1.0``."""
 
     def attend(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor) -> torch.Tensor:
-        if qg.shape[1] >= OPENVINO_MIN_PATCHES and not _recorded_or_traced(qg, kg, vg):
+        if qg.shape[1] >= OPENVINO_MIN_PATCHES and not recorded_or_traced(qg, kg, vg):
             return openvino_sdpa(qg, kg, vg, scale)
         return sdpa_group(qg, kg, vg, scale if qg.shape[1] >= OPENVINO_MIN_PATCHES else None)
 
     return by_groups(q, k, v, grid, attend)
-
-
-def _recorded_or_traced(*tensors: torch.Tensor) -> bool:
-    """Whether autograd records these tensors or a tracer (torch.compile, ONNX export) sees them."""
-    if torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export():
-        return True
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: PackedGrid) -> torch.Tensor:

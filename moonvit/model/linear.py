@@ -37,6 +37,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
+from .tracing import recorded_or_traced
+
 __all__ = [
     "CPU_BF16_MATMUL_MODES",
     "computes_in_float32",
@@ -135,11 +137,9 @@ def _plain_inference_call(layer: nn.Module, x: torch.Tensor) -> bool:
     return (
         type(layer) is nn.Linear
         and layer.weight.dtype == x.dtype
-        and not (torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad))
+        and not recorded_or_traced(x, layer.weight)
         and not (layer._forward_hooks or layer._forward_pre_hooks)
         and not (_module._global_forward_hooks or _module._global_forward_pre_hooks)
-        and not torch.compiler.is_compiling()
-        and not torch.onnx.is_in_onnx_export()
     )
 
 

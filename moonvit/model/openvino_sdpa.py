@@ -7,10 +7,10 @@ kernel on long items (16 heads of 72, 2 threads, AMD Zen 4: about the same speed
 :data:`OPENVINO_MIN_PATCHES` rows here and the others to torch's SDPA.
 
 Accuracy. OpenVINO multiplies the bf16 q by the scale and rounds the product to bf16: a second
-rounding of q, which leaves its result 1.5x further from float64 than torch's (whose scale goes on
-the float32 scores). Given q already scaled and ``scale=1.0`` (exact), it rounds nothing twice and
-its error is the reference's. So the encoder multiplies the long items' q by ``head_dim ** -0.5``
-inside their RoPE rotation, in float32 before the one rounding to bf16
+rounding of q, which leaves its result about 1.3x further from float64 than torch's (whose scale
+goes on the float32 scores). Given q already scaled and ``scale=1.0`` (exact), it rounds nothing
+twice and its error is within a few percent of torch's. So the encoder multiplies the long items'
+q by ``head_dim ** -0.5`` inside their RoPE rotation, in float32 before the one rounding to bf16
 (:func:`~moonvit.model.attention.query_scale`); called without it, :func:`openvino_sdpa` scales q
 itself, as OpenVINO would.
 

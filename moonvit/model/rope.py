@@ -14,6 +14,7 @@ import math
 import torch
 
 from .chunking import map_row_chunks
+from .tracing import is_traced, recorded_or_traced
 
 
 def rope_frequencies(head_dim: int, theta: float) -> torch.Tensor:
@@ -61,7 +62,7 @@ def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
         arithmetic: ``(a + ib)(c + is)``), since neither takes complex tensors.
     """
     compute_dtype = torch.promote_types(x.dtype, torch.float32)
-    if torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export():
+    if is_traced():
         return rotate_real(x, rotation, compute_dtype)
     row_bytes = math.prod(x.shape[1:]) * compute_dtype.itemsize
     return map_row_chunks(
@@ -83,8 +84,7 @@ def apply_rope_(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     graph is being traced (``torch.compile``, ONNX export), ``x`` is left as it is and
     :func:`apply_rope`'s rotated copy returned.
     """
-    traced = torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export()
-    if traced or (torch.is_grad_enabled() and x.requires_grad):
+    if recorded_or_traced(x):
         return apply_rope(x, rotation)
     compute_dtype = torch.promote_types(x.dtype, torch.float32)
     turn = torch.view_as_complex(_broadcast(rotation, x, compute_dtype))
