@@ -1,6 +1,6 @@
 """The ``openvino`` backend: OpenVINO's bf16 attention on long items, as close to float64 as torch's
-SDPA once q comes scaled in its rotation; short items keep sdpa's bits; no OpenVINO under autograd;
-what ``auto`` picks and what is refused."""
+SDPA once q comes scaled in its rotation; short items keep sdpa's bits; q, k, v handed over as one
+buffer; no OpenVINO under autograd; what ``auto`` picks and what is refused."""
 
 from __future__ import annotations
 
@@ -103,6 +103,25 @@ def test_a_pack_of_short_items_is_sdpa_bit_for_bit(ov_calls):
             outputs[name] = model(pixels.bfloat16(), grid_hws).merged
     assert ov_calls == []
     assert torch.equal(outputs["openvino"], outputs["sdpa"])
+
+
+def test_q_k_v_from_one_buffer_go_in_as_it_and_others_as_a_copy_with_the_same_bits():
+    """The encoder's q, k, v are the thirds of wqkv's output (L, 3, heads, head_dim): OpenVINO reads that
+    buffer itself. q, k, v from anywhere else are stacked into one, held until OpenVINO is done with it."""
+    torch.manual_seed(0)
+    items, seqlen, heads, head_dim = 2, OPENVINO_MIN_PATCHES, 4, 72
+    qkv = torch.randn(5 + items * seqlen, 3, heads, head_dim).bfloat16()[5:]  # not at its storage's start
+    q, k, v = (qkv[:, i].reshape(items, seqlen, heads, head_dim) for i in range(3))
+    whole = openvino_sdpa._stacked(q, k, v)
+    assert whole.data_ptr() == qkv.data_ptr() and torch.equal(whole, qkv.view(whole.shape))
+    separate = [t.contiguous() for t in (q, k, v)]
+    copy = openvino_sdpa._stacked(*separate)
+    assert copy.data_ptr() != separate[0].data_ptr() and torch.equal(copy, whole)
+    out = openvino_sdpa.openvino_sdpa(q, k, v, 1.0)
+    for _ in range(3):  # a copy freed too early would let OpenVINO read memory reused since
+        assert torch.equal(openvino_sdpa.openvino_sdpa(*separate, 1.0), out)
+    expected = attention.sdpa_group(q.float(), k.float(), v.float(), 1.0)
+    assert rel(out, expected) < 1e-2
 
 
 def test_bound_without_prescaling_it_scales_q_itself():

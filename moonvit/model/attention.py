@@ -5,8 +5,8 @@ Five backends compute the same block-diagonal attention:
 - ``flash_attention_2``: flash-attn's varlen kernel over the packed sequence
   (CUDA, bf16 / fp16; the optional ``moonvit[flash]`` extra).
 - ``openvino``: on a CPU with bf16 arithmetic, in bf16, items of 1,024 patches or more
-  through OpenVINO's attention (1.25x torch's at 1,024 patches, 1.5-1.8x from 2,048;
-  the optional ``moonvit[openvino]`` extra, :mod:`moonvit.model.openvino_sdpa`), shorter ones
+  through OpenVINO's attention (1.5-1.9x torch's from 2,048 patches; the optional
+  ``moonvit[openvino]`` extra, :mod:`moonvit.model.openvino_sdpa`), shorter ones
   through torch's, bit for bit as ``sdpa``.
 - ``sdpa``: torch's ``scaled_dot_product_attention``, one batched call per group
   of equally long images. No (L, L) mask is ever built, so memory grows with the

@@ -1,10 +1,19 @@
 """OpenVINO's CPU attention in bf16, for the long items of a pack.
 
 On a CPU with bf16 arithmetic, OpenVINO's ScaledDotProductAttention in bf16 beats torch's CPU flash
-kernel on long items (16 heads of 72, 2 threads, AMD Zen 4: about the same speed at 256 patches,
-1.25x at 1,024, 1.5-1.8x at 2,048 and 4,096; ``benchmarks/bench_attention_cpu.py`` at 4,096 and
-25,600). The backend ``openvino`` (:mod:`moonvit.model.attention`) sends items of at least
-:data:`OPENVINO_MIN_PATCHES` rows here and the others to torch's SDPA.
+kernel on long items (16 heads of 72, 2 threads, AMD Zen 4: 1.8x at 1,024 patches called on its own,
+1.5-1.8x at 2,048 and 4,096; ``benchmarks/bench_attention_cpu.py`` at 4,096 and 25,600). The backend
+``openvino`` (:mod:`moonvit.model.attention`) sends items of at least :data:`OPENVINO_MIN_PATCHES` rows
+here and the others to torch's SDPA. q, k and v go in as one buffer, the block's wqkv output itself,
+split inside OpenVINO's graph: no copies on the way in.
+
+Threads. OpenVINO runs its own threads beside torch's. After each parallel op torch's OpenMP threads
+spin for a few milliseconds before they sleep (libgomp's default), and OpenVINO's threads share the
+cores with them meanwhile: called right after a torch matmul, a 1,024-patch item's
+attention took 26-28 ms against 18 ms called on its own. Shorter items gain nothing inside a forward
+(one item of 256 patches: 0.77x the forward's speed with sdpa), hence the threshold. A process started
+with ``GOMP_SPINCOUNT=10000`` (libgomp, the OpenMP of torch's pip wheels: its threads sleep sooner)
+gets most of it back.
 
 Accuracy. OpenVINO multiplies the bf16 q by the scale and rounds the product to bf16: a second
 rounding of q, which leaves its result about 1.3x further from float64 than torch's (whose scale
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +45,8 @@ if TYPE_CHECKING:
     from .grid import PackedGrid
 
 OPENVINO_MIN_PATCHES = 1024
-"""Items of at least this many rows go through OpenVINO (1.25x torch's SDPA at 1,024; even at 256)."""
+"""Items of at least this many rows go through OpenVINO: in a forward (2 threads, Zen 4) the tower was
+1.035x faster than with sdpa at 1,024 patches, 0.77x at 256 (see the module's note on threads)."""
 
 _lock = threading.Lock()
 _compiled: dict[int, Any] = {}
@@ -84,17 +95,34 @@ def openvino_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     if scale != 1.0:
         factor = q.shape[-1] ** -0.5 if scale is None else scale
         q = (q.float() * factor).to(q.dtype)
-    q, k, v = (t.contiguous() for t in (q, k, v))
+    qkv = _stacked(q, k, v)  # held here: OpenVINO's tensors over qkv and out do not keep them alive
     out = torch.empty(q.shape, dtype=q.dtype)
     request = _compiled_attention(torch.get_num_threads()).create_infer_request()
-    for i, tensor in enumerate((q, k, v)):
-        request.set_input_tensor(i, _shared(tensor))
+    request.set_input_tensor(0, _shared(qkv))
     request.set_output_tensor(0, _shared(out))
     try:
         request.infer()
     except RuntimeError as error:
         raise RuntimeError(f"OpenVINO's attention failed on q, k, v of {tuple(q.shape)}: {error}") from error
     return out
+
+
+def _stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q, k, v as one contiguous (items, seqlen, 3, heads, head_dim) tensor: a view where they are the
+    three thirds of one such buffer (a block's wqkv output, as the encoder hands them), a stacked copy
+    otherwise."""
+    shape = (*q.shape[:2], 3, *q.shape[2:])
+    if q.shape == k.shape == v.shape and q.untyped_storage().data_ptr() == v.untyped_storage().data_ptr():
+        strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+        if (q.storage_offset() + math.prod(shape)) * q.element_size() <= q.untyped_storage().nbytes():
+            whole = q.as_strided(shape, strides)
+            if all(_same_view(whole[:, :, i], t) for i, t in enumerate((q, k, v))):
+                return whole
+    return torch.stack([q, k, v], dim=2)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
 
 
 def _shared(tensor: torch.Tensor) -> Any:
@@ -121,9 +149,10 @@ def _compile(threads: int) -> Any:
     # bf16 in and out, shared with torch; the attention itself is declared in float32 and computed
     # in bf16 by the precision hint: declared in bf16 it takes a path 3x further from float64.
     # Its SDPA takes (..., seqlen, head_dim): heads go before the rows and back inside the graph.
-    params = [ops.parameter([-1, -1, -1, -1], ov.Type.bf16, name=name) for name in ("q", "k", "v")]
-    order = ops.constant(np.array([0, 2, 1, 3], dtype=np.int64))
-    q, k, v = (ops.transpose(ops.convert(param, "f32"), order) for param in params)
+    qkv = ops.parameter([-1, -1, 3, -1, -1], ov.Type.bf16, name="qkv")
+    thirds = ops.split(ops.convert(qkv, "f32"), ops.constant(np.int64(2)), 3).outputs()
+    axis, order = (ops.constant(np.array(value, dtype=np.int64)) for value in ([2], [0, 2, 1, 3]))
+    q, k, v = (ops.transpose(ops.squeeze(third, axis), order) for third in thirds)
     one = ops.constant(np.array(1.0, dtype=np.float32))
     out = ops.transpose(ops.scaled_dot_product_attention(q, k, v, scale=one, causal=False), order)
     out = ops.convert(out, "bf16")
@@ -133,4 +162,4 @@ def _compile(threads: int) -> Any:
         "PERFORMANCE_HINT": "LATENCY",
         "ENABLE_CPU_PINNING": False,  # a guest in the caller's process: torch's threads stay movable
     }
-    return ov.Core().compile_model(ov.Model([out], params, "moonvit_attention"), "CPU", config)
+    return ov.Core().compile_model(ov.Model([out], [qkv], "moonvit_attention"), "CPU", config)
