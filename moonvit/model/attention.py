@@ -159,9 +159,10 @@ def openvino_attention(
     scaled (:func:`query_scale`) and binds ``scale=1.0``."""
 
     def attend(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor) -> torch.Tensor:
-        if qg.shape[1] >= OPENVINO_MIN_PATCHES and not recorded_or_traced(qg, kg, vg):
+        long = qg.shape[1] >= OPENVINO_MIN_PATCHES  # the rows openvino_prescaled_rows names
+        if long and not recorded_or_traced(qg, kg, vg):
             return openvino_sdpa(qg, kg, vg, scale)
-        return sdpa_group(qg, kg, vg, scale if qg.shape[1] >= OPENVINO_MIN_PATCHES else None)
+        return sdpa_group(qg, kg, vg, scale if long else None)
 
     return by_groups(q, k, v, grid, attend)
 

@@ -112,12 +112,12 @@ def _stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     three thirds of one such buffer (a block's wqkv output, as the encoder hands them), a stacked copy
     otherwise."""
     shape = (*q.shape[:2], 3, *q.shape[2:])
-    if q.shape == k.shape == v.shape and q.untyped_storage().data_ptr() == v.untyped_storage().data_ptr():
-        strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
-        if (q.storage_offset() + math.prod(shape)) * q.element_size() <= q.untyped_storage().nbytes():
-            whole = q.as_strided(shape, strides)
-            if all(_same_view(whole[:, :, i], t) for i, t in enumerate((q, k, v))):
-                return whole
+    fits = (q.storage_offset() + math.prod(shape)) * q.element_size() <= q.untyped_storage().nbytes()
+    if q.shape == k.shape == v.shape and fits:
+        whole = q.as_strided(shape, [math.prod(shape[i + 1 :]) for i in range(len(shape))])
+        # the same addresses and strides: k and v are in q's buffer, where whole's thirds are
+        if all(_same_view(whole[:, :, i], t) for i, t in enumerate((q, k, v))):
+            return whole
     return torch.stack([q, k, v], dim=2)
 
 
