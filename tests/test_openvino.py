@@ -5,6 +5,10 @@ buffer; no OpenVINO under autograd; what ``auto`` picks and what is refused."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,3 +193,65 @@ def test_not_installed_auto_falls_back_and_the_name_says_how_to_install(monkeypa
     assert resolve_attn_implementation("auto", CPU, torch.bfloat16) == "sdpa"
     with pytest.raises(AttentionUnavailableError, match=r"pip install 'moonvit\[openvino\]'"):
         resolve_attn_implementation("openvino", CPU, torch.bfloat16)
+
+
+FORKED_CHILD = """
+import multiprocessing, os, sys, time, torch
+sys.path.insert(0, {tests!r})
+from helpers import random_pack, tiny_model
+from moonvit.model import openvino_sdpa
+from moonvit.model.attention import AttentionUnavailableError, resolve_attn_implementation
+
+openvino_sdpa.cpu_has_bf16_arithmetic = lambda: True  # as the fixture does in the tests' process
+q = torch.randn(1, 64, 2, 8).bfloat16()
+
+
+def child():
+    torch.set_num_threads(1)  # torch's own OpenMP threads do not survive a fork either
+    assert resolve_attn_implementation("auto", torch.device("cpu"), torch.bfloat16) == "sdpa"
+    try:
+        resolve_attn_implementation("openvino", torch.device("cpu"), torch.bfloat16)
+        raise AssertionError("openvino was not refused in the forked child")
+    except AttentionUnavailableError as error:
+        assert "forked" in str(error) and "spawn" in str(error), error
+    try:
+        openvino_sdpa.openvino_sdpa(q, q, q)
+        raise AssertionError("openvino_sdpa ran in the forked child")
+    except RuntimeError as error:
+        assert "forked" in str(error), error
+    pixels, grids = random_pack([(32, 32), (4, 6)], dtype=torch.bfloat16)
+    with torch.no_grad():
+        auto = tiny_model(dtype=torch.bfloat16, attn_implementation="auto")(pixels, grids).last_hidden_state
+        sdpa = tiny_model(dtype=torch.bfloat16, attn_implementation="sdpa")(pixels, grids).last_hidden_state
+    assert torch.equal(auto, sdpa)  # auto took sdpa: the same call on the same pack
+
+
+openvino_sdpa.openvino_sdpa(q, q, q)  # OpenVINO's threads start here, in the parent
+process = multiprocessing.get_context("fork").Process(target=child)
+process.start()
+process.join(240)
+if process.is_alive():
+    process.kill()
+    sys.exit("the forked child hung")
+if process.exitcode:
+    sys.exit(process.exitcode)
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # a plain child's normal exit: interpreter shutdown frees what it holds
+for _ in range(120):
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        sys.exit(os.waitstatus_to_exitcode(status))
+    time.sleep(1)
+os.kill(pid, 9)
+sys.exit("the forked child hung at its exit")
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork, as Linux's multiprocessing defaults to")
+def test_a_child_forked_after_openvino_started_takes_sdpa_instead_of_hanging():
+    """OpenVINO waits forever in a process forked after it compiled: such a child falls back to sdpa
+    under auto, refuses openvino by name, and exits; in a subprocess with a hang guard."""
+    script = textwrap.dedent(FORKED_CHILD).format(tests=str(Path(__file__).parent))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout + result.stderr

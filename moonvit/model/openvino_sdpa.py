@@ -23,6 +23,13 @@ q by ``head_dim ** -0.5`` inside their RoPE rotation, in float32 before the one 
 (:func:`~moonvit.model.attention.query_scale`); called without it, :func:`openvino_sdpa` scales q
 itself, as OpenVINO would.
 
+Fork. OpenVINO's thread pool does not survive ``fork``: in a child forked from a process where
+OpenVINO had compiled, its next compile or inference waits forever (one thread or several). Such a
+child takes torch's SDPA for every item under ``auto``, and an explicit ``openvino`` is refused
+with the reason, rather than hang; nor does the child hang at its exit on the parent's compiled
+models, which it never frees. Workers started with ``spawn`` or ``forkserver`` (Ray's among them)
+run OpenVINO as usual.
+
 OpenVINO is optional (``pip install 'moonvit[openvino]'``), imported on first use; one model is
 compiled per torch thread count (in milliseconds, dynamic shapes) and runs with that many threads.
 Tensors go in and out without copies (bf16 buffers shared with OpenVINO). There is no backward:
@@ -31,9 +38,11 @@ under autograd, ``torch.compile`` or ONNX export every item takes torch's SDPA.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib.util
 import math
+import os
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +59,28 @@ OPENVINO_MIN_PATCHES = 1024
 
 _lock = threading.Lock()
 _compiled: dict[int, Any] = {}
+_started = False
+"""Whether this process has compiled an OpenVINO model (and so started OpenVINO's threads)."""
+_forked_after_start = False
+"""Whether this process was forked from one where :data:`_started` held: OpenVINO hangs here."""
+
+FORKED = (
+    "this process was forked after OpenVINO had started in its parent, and OpenVINO's threads do not "
+    "survive a fork (it would wait forever); start workers with the 'spawn' or 'forkserver' method to use it"
+)
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child: OpenVINO is off if its threads had started, and the parent's compiled models
+    are never freed (their destructors wait on those threads too: the child would hang at its exit)."""
+    global _lock, _forked_after_start
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    _forked_after_start = _started
+    for model in _compiled.values():
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(model))
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @functools.cache
@@ -68,6 +99,8 @@ def openvino_unavailable(device: torch.device, dtype: torch.dtype) -> str | None
         return f"OpenVINO's attention is used in bf16 (in float32 it is slower than sdpa), the model is {dtype}"
     if not cpu_has_bf16_arithmetic():
         return "this CPU has no bf16 arithmetic (AVX512-BF16 or AMX): OpenVINO's bf16 attention is slower here"
+    if _forked_after_start:
+        return FORKED
     return None
 
 
@@ -92,6 +125,8 @@ def openvino_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     """
     if q.dtype != torch.bfloat16 or q.device.type != "cpu":
         raise ValueError(f"OpenVINO's attention takes bf16 CPU tensors, got {q.dtype} on {q.device.type}")
+    if _forked_after_start:
+        raise RuntimeError(f"OpenVINO's attention cannot run: {FORKED}")
     if scale != 1.0:
         factor = q.shape[-1] ** -0.5 if scale is None else scale
         q = (q.float() * factor).to(q.dtype)
@@ -134,9 +169,11 @@ def _shared(tensor: torch.Tensor) -> Any:
 
 def _compiled_attention(threads: int) -> Any:
     """The compiled (items, seqlen, heads, head_dim) bf16 attention with scale 1, for ``threads`` threads."""
+    global _started
     with _lock:
         compiled = _compiled.get(threads)
         if compiled is None:
+            _started = True  # before the compile: its threads are started by it
             compiled = _compiled[threads] = _compile(threads)
         return compiled
 
