@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from .tracing import is_traced
+
 
 def map_row_chunks(
     fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, row_bytes: int, budget: int
@@ -23,10 +25,9 @@ def map_row_chunks(
     On CPU, computed over chunks of rows, so that a chunk's temporaries of
     ``row_bytes`` per row take at most ``budget`` bytes; the results are
     concatenated. Elsewhere, and under ``torch.compile`` or ONNX export (whose graphs take any
-    number of rows), one call.
+    number of rows: no data-dependent split there), one call.
     """
     rows = max(1, budget // max(1, row_bytes))
-    traced = torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export()  # no data-dependent split there
-    if traced or tensors[0].device.type != "cpu" or len(tensors[0]) <= rows:
+    if is_traced() or tensors[0].device.type != "cpu" or len(tensors[0]) <= rows:
         return fn(*tensors)
     return torch.cat([fn(*chunks) for chunks in zip(*(t.split(rows) for t in tensors))])
