@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .tracing import is_traced
+
 ArrayT = TypeVar("ArrayT", torch.Tensor, np.ndarray)
 
 # Keys' cubic convolution coefficient used by PyTorch's bicubic kernels.
@@ -173,7 +175,7 @@ class LearnablePositionTable(nn.Module):
     def _cache_key_now(self, sizes: Sequence[tuple[int, int]] | None) -> tuple | None:
         """The weight's identity now, or None when the cache must not be used for this call."""
         w = self.weight
-        if not sizes or self.cache_patches <= 0 or torch.compiler.is_compiling():
+        if not sizes or self.cache_patches <= 0 or is_traced():
             return None
         if (torch.is_grad_enabled() and w.requires_grad) or w.is_inference():
             return None

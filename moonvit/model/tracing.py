@@ -2,7 +2,8 @@
 
 In-place RoPE, RoPE through complex tensors, the fused linear epilogues and OpenVINO's attention
 are eager-only: autograd must see out-of-place ops, and neither ``torch.compile`` nor ONNX export
-traces complex tensors or foreign runtimes. Each such path asks here and steps aside.
+traces complex tensors or foreign runtimes. The position table's cache is too: a traced graph would
+keep a cached table as a constant. Each such path asks here and steps aside.
 """
 
 from __future__ import annotations
