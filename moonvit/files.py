@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 from collections import Counter
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
@@ -28,16 +29,38 @@ __all__ = [
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it is renamed over ``path``.
 
-    A crash (or an exception) leaves ``path`` as it was, at worst with a stray
-    ``.tmp`` file beside it, which the next write replaces.
+    The temporary's name is unique (``tempfile.mkstemp`` in the target's folder), so writers of
+    one target in several threads or processes never move each other's file away: the last
+    rename wins, and each reader sees one whole version. The file ends with the mode a plain
+    ``open(path, "w")`` gives (``0o666`` less the umask), whatever the writer did to the
+    temporary (``mkstemp`` and safetensors' own temporary are private). A crash (or an
+    exception) leaves ``path`` as it was, at worst with a stray ``.<name>.*.tmp`` file beside it.
     """
     target = Path(path)
-    temporary = target.with_name(f"{target.name}.tmp")
+    descriptor, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(descriptor)
+    temporary = Path(name)
     try:
         yield temporary
+        os.chmod(temporary, 0o666 & ~_umask())
         os.replace(temporary, target)
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where the system tells it (Linux); else set
+    and restored at once."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
