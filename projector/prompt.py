@@ -10,19 +10,20 @@ Kimi K3: the same markers, an image's carrying its original size in pixels,
 (see :func:`k3_image_prompt`; :func:`k3_media_prompts` reads the sizes from an
 export's manifest).
 
-NVIDIA LocateAnything-3B: each image is ``<img>`` + ``<IMG_CONTEXT>`` x n + ``</img>``
-(n its visual tokens; ids 151666, 151665, 151667), written where the user's text
-says ``<image-N>`` (N counted from 1; see :func:`locateanything_prompt`). The
-``<IMG_CONTEXT>`` rows are then replaced one for one by
-:func:`~projector.splice.splice_visual_tokens` with
-``placeholder_token_id=IMG_CONTEXT_TOKEN_ID``.
+NVIDIA LocateAnything-3B: each image is the text label ``<image N>``, then ``<img>`` +
+``<IMG_CONTEXT>`` x n + ``</img>`` (n its visual tokens; ids 151666, 151665, 151667), written
+where the user's text says ``<image-N>`` (N counted from 1 within the prompt; see
+:func:`locateanything_prompt`). That is the form of the release's own processor, which the model
+was trained with; vLLM's port leaves the label out (``style="vllm"``). The label is plain text to
+the tokenizer, so the ``<IMG_CONTEXT>`` rows are still replaced one for one by
+:func:`~projector.splice.splice_visual_tokens` with ``placeholder_token_id=IMG_CONTEXT_TOKEN_ID``.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -36,6 +37,7 @@ __all__ = [
     "IMG_END_TOKEN_ID",
     "IMG_START",
     "IMG_START_TOKEN_ID",
+    "LOCATEANYTHING_STYLES",
     "MEDIA_PAD",
     "expand_media_pads",
     "k3_image_prompt",
@@ -135,18 +137,50 @@ IMG_START_TOKEN_ID, IMG_CONTEXT_TOKEN_ID, IMG_END_TOKEN_ID = 151666, 151665, 151
 """LocateAnything-3B's image markers in its Qwen2.5 vocabulary (``image_token_index`` is 151665)."""
 _IMAGE_REF = re.compile(r"<image-(\d+)>")
 
+LocateAnythingStyle = Literal["release", "vllm"]
+LOCATEANYTHING_STYLES: tuple[LocateAnythingStyle, ...] = ("release", "vllm")
+"""The forms of an image in a LocateAnything-3B prompt, by the upstream each follows:
 
-def locateanything_prompt(text: str, grid: GridInput, merge_kernel_size: Sequence[int] = (2, 2)) -> str:
-    """Replace each ``<image-N>`` of ``text`` with image N's markers: ``<img>``, ``<IMG_CONTEXT>`` once per
-    visual token (h * w / 4, see :func:`~moonvit.tokens_per_image`), ``</img>``.
+- ``"release"``: NVIDIA's own ``LocateAnythingProcessor.replace_media_placeholder`` (the release's
+  ``processing_locateanything.py``), ``<image N><img><IMG_CONTEXT>...</img>``: the form the model
+  was trained with, and the default.
+- ``"vllm"``: vLLM's port (``locate_anything.py``), ``<img><IMG_CONTEXT>...</img>`` without the label.
+"""
+
+
+def _locateanything_image(number: int, num_tokens: int, style: LocateAnythingStyle) -> str:
+    """Image ``number``'s text (1-based within its prompt) with ``num_tokens`` context tokens."""
+    markers = IMG_START + IMG_CONTEXT * num_tokens + IMG_END
+    # The release labels each image with the number the user's text gave it (``idx_in_list + 1``).
+    return f"<image {number}>{markers}" if style == "release" else markers
+
+
+def locateanything_prompt(
+    text: str,
+    grid: GridInput,
+    merge_kernel_size: Sequence[int] = (2, 2),
+    *,
+    style: LocateAnythingStyle = "release",
+) -> str:
+    """Replace each ``<image-N>`` of ``text`` with image N's text: by default (``style="release"``, the
+    form of NVIDIA's processor, which the model was trained with) the label ``<image N>``, then
+    ``<img>``, ``<IMG_CONTEXT>`` once per visual token (h * w / 4, see :func:`~moonvit.tokens_per_image`),
+    ``</img>``; ``style="vllm"`` (vLLM's port) leaves the label out (see :data:`LOCATEANYTHING_STYLES`).
+
+    Images are numbered per prompt: ``grid`` holds this prompt's images, and ``<image-1>`` is its
+    first row whatever other prompts of a batch hold.
 
     Args:
         text: the user's text; images are referred to as ``<image-1>``, ``<image-2>``, ... in any order.
         grid: (N, 2) or (N, 3) rows of the N images' patch grids (the processor's ``grid_hws``).
+        style: ``"release"`` or ``"vllm"``.
 
     Raises:
-        ValueError: an ``<image-N>`` with no image N, or an image referred to other than exactly once.
+        ValueError: an unknown style, an ``<image-N>`` with no image N, or an image referred to other
+            than exactly once.
     """
+    if style not in LOCATEANYTHING_STYLES:
+        raise ValueError(f"style must be one of {LOCATEANYTHING_STYLES}, got {style!r}")
     counts = tokens_per_image(torch.as_tensor(grid), merge_kernel_size)
     refs = [int(match) for match in _IMAGE_REF.findall(text)]
     for number in refs:
@@ -155,11 +189,20 @@ def locateanything_prompt(text: str, grid: GridInput, merge_kernel_size: Sequenc
     for number in range(1, len(counts) + 1):
         if refs.count(number) != 1:
             raise ValueError(f"image {number} is referred to {refs.count(number)} times in the text, not once")
-    return _IMAGE_REF.sub(lambda m: IMG_START + IMG_CONTEXT * counts[int(m.group(1)) - 1] + IMG_END, text)
+
+    def image(match: re.Match[str]) -> str:
+        number = int(match.group(1))
+        return _locateanything_image(number, counts[number - 1], style)
+
+    return _IMAGE_REF.sub(image, text)
 
 
 def locateanything_image_ids(num_tokens: int) -> list[int]:
-    """One image's token ids: ``<img>``, ``<IMG_CONTEXT>`` x ``num_tokens``, ``</img>``."""
+    """One image's marker ids: ``<img>``, ``<IMG_CONTEXT>`` x ``num_tokens``, ``</img>``.
+
+    In the release's form these follow the label ``<image N>``, which is ordinary text: its ids
+    are the tokenizer's, none of them ``IMG_CONTEXT_TOKEN_ID``.
+    """
     if num_tokens < 1:
         raise ValueError(f"an image has at least one visual token, got {num_tokens}")
     return [IMG_START_TOKEN_ID, *[IMG_CONTEXT_TOKEN_ID] * num_tokens, IMG_END_TOKEN_ID]

@@ -218,10 +218,34 @@ def test_kimi_vl_folders_are_read_as_before(tmp_path):
 # ---- the prompt ------------------------------------------------------------------------------------
 
 
-def test_the_prompt_holds_img_markers_around_one_context_token_per_visual_token():
+def test_the_prompt_is_the_release_s_by_default_each_image_labelled_by_its_number():
     grids = [(32, 32), (6, 10)]  # 448 x 448: 256 tokens; 140 x 84: 15
-    text = locateanything_prompt("<image-2> and <image-1>: where is the cat?", grids)
+    text = locateanything_prompt("<image-1> and <image-2>: where is the cat?", grids)
+    # NVIDIA's LocateAnythingProcessor.replace_media_placeholder: f"<image {i+1}><img>{'<IMG_CONTEXT>' * n}</img>"
+    release = "<image 1><img>" + "<IMG_CONTEXT>" * 256 + "</img> and <image 2><img>" + "<IMG_CONTEXT>" * 15 + "</img>"
+    assert text == release + ": where is the cat?"
+    assert locateanything_prompt("<image-1> and <image-2>: where is the cat?", grids, style="release") == text
+
+
+def test_the_label_is_the_number_the_text_gives_the_image_counted_per_prompt():
+    grids = [(2, 2), (2, 4), (4, 4)]  # 1, 2 and 4 tokens
+    out = locateanything_prompt("<image-2> <image-3> <image-1>", grids)
+    two, three = "<IMG_CONTEXT>" * 2, "<IMG_CONTEXT>" * 4
+    assert out == f"<image 2><img>{two}</img> <image 3><img>{three}</img> <image 1><img><IMG_CONTEXT></img>"
+    # a second prompt of a batch starts again at 1: its grid holds its own images only
+    assert locateanything_prompt("<image-1>", grids[2:]) == "<image 1><img>" + "<IMG_CONTEXT>" * 4 + "</img>"
+
+
+def test_the_vllm_form_has_the_markers_without_the_label():
+    grids = [(32, 32), (6, 10)]
+    text = locateanything_prompt("<image-2> and <image-1>: where is the cat?", grids, style="vllm")
     assert text == f"<img>{'<IMG_CONTEXT>' * 15}</img> and <img>{'<IMG_CONTEXT>' * 256}</img>: where is the cat?"
+    with pytest.raises(ValueError, match="style must be one of"):
+        locateanything_prompt("<image-1><image-2>", grids, style="sglang")  # type: ignore[arg-type]
+
+
+def test_the_prompt_refers_to_each_image_once():
+    grids = [(32, 32), (6, 10)]
     assert locateanything_image_ids(2) == [151666, 151665, 151665, 151667]
     with pytest.raises(ValueError, match="refers to <image-3>, but there are 2 images"):
         locateanything_prompt("<image-1><image-2><image-3>", grids)
@@ -229,12 +253,21 @@ def test_the_prompt_holds_img_markers_around_one_context_token_per_visual_token(
         locateanything_prompt("<image-1>", grids)
 
 
-def test_the_context_tokens_take_the_projected_rows_in_order():
-    ids = torch.tensor([[1, *locateanything_image_ids(2), 7, *locateanything_image_ids(1)]])
+# The label ``<image N>`` as text ids (illustrative: any ids but the markers', as a tokenizer gives them).
+LABEL_IDS = [27, 1805, 220, 16, 29]
+
+
+@pytest.mark.parametrize("per_image", [False, True], ids=["packed", "per-image"])
+def test_the_context_tokens_take_the_projected_rows_in_order_past_the_labels(per_image):
+    first, second = [*LABEL_IDS, *locateanything_image_ids(2)], [*LABEL_IDS, *locateanything_image_ids(1)]
+    ids = torch.tensor([[1, *first, 7, *second]])
     embeds = torch.zeros(1, ids.shape[1], 3)
     tokens = torch.arange(9.0).reshape(3, 3)
-    out = splice_visual_tokens(ids, embeds, tokens, placeholder_token_id=IMG_CONTEXT_TOKEN_ID)
-    assert torch.equal(out[0, [2, 3, 7]], tokens) and out[0, [0, 1, 4, 5, 6, 8]].abs().sum() == 0
+    features = [tokens[:2], tokens[2:]] if per_image else tokens
+    out = splice_visual_tokens(ids, embeds, features, placeholder_token_id=IMG_CONTEXT_TOKEN_ID)
+    context = (ids[0] == IMG_CONTEXT_TOKEN_ID).nonzero().flatten()
+    assert context.tolist() == [7, 8, 17]
+    assert torch.equal(out[0, context], tokens) and out[0].abs().sum() == tokens.sum()
 
 
 # ---- downstream: every command line -----------------------------------------------------------------
