@@ -139,18 +139,37 @@ def test_bound_without_prescaling_it_scales_q_itself():
     assert rel(ours, reference) < 1e-2
 
 
-def test_under_autograd_every_item_takes_torch_sdpa(ov_calls):
-    """OpenVINO has no backward: with gradients every item runs torch's SDPA (long items on the
-    prescaled q, with scale 1), and the gradients match sdpa's."""
-    grads = {}
-    pixels, grid_hws = random_pack([(32, 32), (2, 4)], seed=5)
-    for name in ("sdpa", "openvino"):
-        model = tiny_model(seed=2, dtype=torch.bfloat16, attn_implementation=name)
-        x = pixels.bfloat16().requires_grad_()
-        model(x, grid_hws).merged.float().square().sum().backward()
-        grads[name] = x.grad
+@pytest.mark.parametrize("name", ["openvino", "auto"])
+@pytest.mark.parametrize("trained", ["weights", "pixels"])
+def test_under_autograd_a_forward_is_sdpa_bit_for_bit(ov_calls, name, trained):
+    """OpenVINO has no backward: a forward autograd records (weights trained, or only the pixels'
+    gradient asked for) runs as sdpa, long items' q unscaled: the same outputs and gradients, to the bit,
+    whether OpenVINO is installed or not."""
+    pixels, grid_hws = random_pack([(32, 32), (2, 4)], seed=5, dtype=torch.bfloat16)
+    # head_dim 32: its scale 32 ** -0.5 is inexact (tiny's 16 ** -0.5 would round nothing)
+    model = tiny_model(seed=2, dtype=torch.bfloat16, num_attention_heads=2).train()
+    model.requires_grad_(trained == "weights")
+    results = {}
+    for backend in ("sdpa", name):
+        model.set_attn_implementation(backend)
+        model.zero_grad(set_to_none=True)
+        x = pixels.clone().requires_grad_(trained == "pixels")
+        out = model(x, grid_hws).merged
+        out.float().square().sum().backward()
+        grads = [x.grad] if trained == "pixels" else [p.grad for p in model.parameters()]
+        results[backend] = (out.detach(), grads)
     assert ov_calls == []
-    assert rel(grads["openvino"], grads["sdpa"]) < 5e-2
+    (out_sdpa, grads_sdpa), (out_ours, grads_ours) = results["sdpa"], results[name]
+    assert torch.equal(out_ours, out_sdpa)
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(grads_ours, grads_sdpa, strict=True))
+
+
+def test_a_frozen_tower_under_grad_mode_is_inference_and_runs_openvino(ov_calls):
+    """Grad mode on, but nothing to record (a frozen encoder inside a trained model): OpenVINO runs."""
+    model = tiny_model(seed=2, dtype=torch.bfloat16, attn_implementation="openvino").requires_grad_(False)
+    pixels, grid_hws = random_pack([(32, 32)], seed=5, dtype=torch.bfloat16)
+    model(pixels, grid_hws)
+    assert len(ov_calls) == model.config.num_hidden_layers
 
 
 def test_one_compiled_model_per_thread_count():

@@ -7,7 +7,8 @@ Five backends compute the same block-diagonal attention:
 - ``openvino``: on a CPU with bf16 arithmetic, in bf16, items of 1,024 patches or more
   through OpenVINO's attention (1.5-1.9x torch's from 2,048 patches; the optional
   ``moonvit[openvino]`` extra, :mod:`moonvit.model.openvino_sdpa`), shorter ones
-  through torch's, bit for bit as ``sdpa``.
+  through torch's, bit for bit as ``sdpa``. Inference only: a forward that autograd records
+  or a tracer sees runs ``sdpa`` (:func:`attention_for_call`).
 - ``sdpa``: torch's ``scaled_dot_product_attention``, one batched call per group
   of equally long images. No (L, L) mask is ever built, so memory grows with the
   total number of patches, not its square.
@@ -203,6 +204,9 @@ class AttentionBackend:
             whose q it takes already scaled (None: none in this pack). The encoder then scales them
             in their RoPE rotation, rounded once (:func:`query_scale`), and binds ``fn`` with
             ``scale=1.0`` (the scale of those rows; the others keep the default).
+        inference_only: whether it runs in eager inference only (no backward, nothing a tracer can
+            follow: OpenVINO's). A forward that autograd records or a tracer sees runs ``sdpa`` in its
+            place (:func:`attention_for_call`).
     """
 
     name: str
@@ -211,6 +215,7 @@ class AttentionBackend:
     installed: Callable[[], str | None]
     auto: bool
     prescaled_rows: Callable[[PackedGrid], torch.Tensor | None] | None = None
+    inference_only: bool = False
 
 
 _BACKENDS: dict[str, AttentionBackend] = {}
@@ -228,11 +233,12 @@ def register_attention(
     installed: Callable[[], str | None] = _always,
     auto: bool = False,
     prescaled_rows: Callable[[PackedGrid], torch.Tensor | None] | None = None,
+    inference_only: bool = False,
 ) -> None:
     """Add (or replace) an attention backend; see :class:`AttentionBackend`."""
     if name == "auto":
         raise ValueError("'auto' is reserved for the automatic choice")
-    _BACKENDS[name] = AttentionBackend(name, fn, unavailable, installed, auto, prescaled_rows)
+    _BACKENDS[name] = AttentionBackend(name, fn, unavailable, installed, auto, prescaled_rows, inference_only)
 
 
 def attention_names() -> tuple[str, ...]:
@@ -263,6 +269,20 @@ def bind_attention(name: str, grid: PackedGrid, *, prescaled: bool = False) -> B
         return fn(q, k, v, grid)
 
     return attend
+
+
+def attention_for_call(name: str, *tensors: torch.Tensor) -> str:
+    """The backend a forward runs: ``name`` (resolved), or ``sdpa`` in place of an inference-only one
+    where autograd records an op on ``tensors`` (the forward's input and parameters) or a tracer sees
+    the call.
+
+    Such a backend would hand every item to torch's SDPA there anyway, but on q prepared for itself
+    (:func:`query_scale`); as ``sdpa``, a training forward has sdpa's bits whether or not the
+    backend's package is installed.
+    """
+    if _BACKENDS[name].inference_only and recorded_or_traced(*tensors):
+        return "sdpa"
+    return name
 
 
 def query_scale(name: str, grid: PackedGrid, head_dim: int) -> torch.Tensor | None:
@@ -352,6 +372,7 @@ register_attention(
     installed=openvino_not_installed,
     auto=True,
     prescaled_rows=openvino_prescaled_rows,
+    inference_only=True,
 )
 register_attention("sdpa", sdpa_attention, auto=True)
 register_attention("flex", flex_attention, unavailable=flex_unavailable, installed=flex_not_installed)

@@ -14,8 +14,8 @@ from .attention import BoundAttention
 from .chunking import map_row_chunks
 from .config import MoonViTConfig
 from .grid import PackedGrid
-from .linear import computes_in_float32, linear
-from .rope import apply_rope_
+from .linear import computes_in_float32, has_forward_hooks, linear
+from .rope import apply_rope, apply_rope_
 
 # The MLP runs over row chunks whose (rows, hidden) activation stays under
 # this many bytes (see moonvit.chunking).
@@ -135,8 +135,11 @@ class Block(nn.Module):
         """Multi-head self-attention within each image of the pack, (L, D) -> (L, D) (+ ``residual``)."""
         # wqkv's output (L, 3A) is laid out [q | k | v], each (heads, A / heads); q and k are rotated
         # in one pass, in the buffer itself in inference (no rotated copy), and read from it as views.
+        # A hook on wqkv may keep that buffer (a feature capture stores its output as it is): then q
+        # and k are rotated into a copy, with the same bits, and what the hook saw stays wqkv's output.
         qkv = linear(self.wqkv, x).unflatten(-1, (3, self.num_heads, -1))
-        qk = apply_rope_(qkv[:, :2], rotation)
+        rotate = apply_rope if has_forward_hooks(self.wqkv) else apply_rope_
+        qk = rotate(qkv[:, :2], rotation)
         return linear(self.wo, attend(qk[:, 0], qk[:, 1], qkv[:, 2]).flatten(1), residual=residual)
 
     def forward(

@@ -15,7 +15,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .attention import bind_attention, check_attn_implementation, query_scale, resolve_attn_implementation
+from .attention import (
+    attention_for_call,
+    bind_attention,
+    check_attn_implementation,
+    query_scale,
+    resolve_attn_implementation,
+)
 from .blocks import Block, make_norm
 from .config import MoonViTConfig, preset_config
 from .grid import GridCache, GridInput, PackedGrid, build_packed_grid, check_pixel_shape, validate_grid_thws
@@ -110,6 +116,8 @@ class Encoder(nn.Module):
         """Run the blocks; returns the normed output and the hidden states whose indices
         (0 = embeddings, i = block i's output) are in ``keep_hidden``."""
         hidden = {0: x} if 0 in keep_hidden else {}
+        # An inference-only backend (OpenVINO's) steps aside for sdpa in a forward autograd records.
+        attn_implementation = attention_for_call(attn_implementation, x, *self.parameters())
         # A backend that would round q * scale to bf16 itself (OpenVINO) gets q scaled in its rotation.
         scale = query_scale(attn_implementation, grid, self.head_dim)
         attend = bind_attention(attn_implementation, grid, prescaled=scale is not None)

@@ -44,6 +44,7 @@ __all__ = [
     "computes_in_float32",
     "cpu_bf16_matmul",
     "cpu_bf16_matmul_mode",
+    "has_forward_hooks",
     "linear",
     "set_cpu_bf16_matmul",
 ]
@@ -138,8 +139,18 @@ def _plain_inference_call(layer: nn.Module, x: torch.Tensor) -> bool:
         type(layer) is nn.Linear
         and layer.weight.dtype == x.dtype
         and not recorded_or_traced(x, layer.weight)
-        and not (layer._forward_hooks or layer._forward_pre_hooks)
-        and not (_module._global_forward_hooks or _module._global_forward_pre_hooks)
+        and not has_forward_hooks(layer)
+    )
+
+
+def has_forward_hooks(layer: nn.Module) -> bool:
+    """Whether a forward hook or pre-hook sees ``layer``'s calls: its own, or a global one
+    (``torch.nn.modules.module.register_module_forward_hook`` and its pre-hook twin)."""
+    return bool(
+        layer._forward_hooks
+        or layer._forward_pre_hooks
+        or _module._global_forward_hooks
+        or _module._global_forward_pre_hooks
     )
 
 

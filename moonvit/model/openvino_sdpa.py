@@ -33,7 +33,9 @@ run OpenVINO as usual.
 OpenVINO is optional (``pip install 'moonvit[openvino]'``), imported on first use; one model is
 compiled per torch thread count (in milliseconds, dynamic shapes) and runs with that many threads.
 Tensors go in and out without copies (bf16 buffers shared with OpenVINO). There is no backward:
-under autograd, ``torch.compile`` or ONNX export every item takes torch's SDPA.
+under autograd, ``torch.compile`` or ONNX export every item takes torch's SDPA, and the encoder runs
+the ``sdpa`` backend in its place, q not prescaled (:func:`~moonvit.model.attention.attention_for_call`):
+sdpa's bits.
 """
 
 from __future__ import annotations
