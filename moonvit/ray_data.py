@@ -11,7 +11,7 @@ Example::
 
     ds = ray.data.from_items([{"image": str(p)} for p in paths])  # or read_binary_files(...)
     tokens = ds.map_batches(EncodeImages, fn_constructor_args=("moonshotai/Kimi-VL-A3B-Instruct",),
-                            concurrency=2, num_gpus=1, batch_size=64)
+                            compute=ray.data.ActorPoolStrategy(size=2), num_gpus=1, batch_size=64)
 """
 
 from __future__ import annotations
@@ -73,14 +73,16 @@ class EncodeImages:
         image_column: the column of paths or bytes.
         processor_overrides: processor settings to change (e.g. ``{"in_token_limit": 1024}``).
 
-    Example (``concurrency=N`` actors; older Ray: ``compute=ray.data.ActorPoolStrategy(size=N)``)::
+    Example (4 actors of one GPU each; Ray refuses ``num_gpus`` without ``batch_size``, the images
+    one call decodes before packing them)::
 
         import ray
         from moonvit.ray_data import EncodeImages
 
         ds = ray.data.read_binary_files("s3://bucket/images/", include_paths=True)
         ds = ds.map_batches(EncodeImages, fn_constructor_args=("moonshotai/Kimi-VL-A3B-Instruct",),
-                            fn_constructor_kwargs={"image_column": "bytes"}, concurrency=4, num_gpus=1)
+                            fn_constructor_kwargs={"image_column": "bytes"},
+                            compute=ray.data.ActorPoolStrategy(size=4), num_gpus=1, batch_size=64)
         ds.drop_columns(["bytes"]).write_parquet("/data/tokens")
     """
 
