@@ -35,14 +35,9 @@ import torch
 
 import moonvit
 from moonvit.cli import (
-    add_budget_argument,
+    ENCODER_OPTIONS,
     add_checkpoint_argument,
-    add_device_argument,
-    add_dtype_argument,
-    add_seed_argument,
-    add_side_limit_argument,
-    add_threads_argument,
-    add_workers_argument,
+    add_shared_arguments,
     apply_threads,
     existing_folder,
     exit_on,
@@ -55,6 +50,7 @@ from moonvit.cli import (
     positive_float,
     positive_int,
 )
+from moonvit.model.attention import resolve_attn_implementation
 
 from .datasets import DEFAULT_FASHION_MNIST_DIR, DatasetError, load_dataset
 from .encoder import load_frozen_encoder
@@ -116,11 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="output folder (default: outputs/linear_probe)",
     )
     parser.add_argument("--cache-dir", type=output_dir, help="feature cache (default: <out>/../feature-cache)")
-    add_device_argument(parser)
-    add_dtype_argument(parser, None, "encoder dtype (default: the checkpoint's, fp32 for presets)")
-    add_threads_argument(parser)
-    add_workers_argument(parser, "packs of images")
-    add_seed_argument(parser, "seed of random init, splits and shuffles")
+    add_shared_arguments(
+        parser,
+        "dtype",
+        *ENCODER_OPTIONS,
+        "workers",
+        "seed",
+        dtype={"default": None, "help": "encoder dtype (default: the checkpoint's, fp32 for presets)"},
+        workers={"what": "packs of images"},
+        seed={"help": "seed of random init, splits and shuffles"},
+    )
     parser.add_argument(
         "--short-side",
         type=non_negative_int,
@@ -128,8 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="resize images (bicubic, aspect kept) to this short side before the processor; 0 = native "
         f"(default: {ResizePolicy().short_side})",
     )
-    add_budget_argument(parser)
-    add_side_limit_argument(parser)
+    add_shared_arguments(parser, "max_patches_per_pack", "side_limit_mode")
     parser.add_argument(
         "--solver",
         choices=("adamw", "lbfgs"),
@@ -275,6 +275,9 @@ def run(probe: ProbeRun) -> dict[str, Any]:
             )
         except moonvit.CheckpointError as error:
             raise ProbeArgumentError(f"cannot load --checkpoint {probe.checkpoint}: {error}") from error
+        encoder.model.set_attn_implementation(probe.attn)
+        # a backend that cannot run on this device in this dtype: one line (exit_on), before any feature
+        resolve_attn_implementation(probe.attn, encoder.model.device, encoder.model.dtype)
         given = available_views(encoder.model)
         if probe.features not in given:
             raise ProbeArgumentError(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from moonvit.cli import torch_dtype
+from moonvit.cli import torch_dtype, typed_run
 from moonvit.media.packing import DEFAULT_MAX_PATCHES_PER_PACK
 
 from .features import ResizePolicy
@@ -47,6 +47,7 @@ class ProbeRun:
         cache_dir: the feature cache.
         results_csv: the CSV that gains a row per feature view.
         device, dtype: where the encoder runs and in which dtype (None: the checkpoint's).
+        attn: the encoder's attention backend (``auto`` or a registered one).
         threads: torch's CPU threads (None: torch's choice); workers: processor threads.
         seed: seed of random init, splits and shuffles.
         resize: the resize before the processor; max_patches_per_pack: the patch budget of one forward.
@@ -72,6 +73,7 @@ class ProbeRun:
     random_init: bool = False
     device: str = "cpu"
     dtype: torch.dtype | None = None
+    attn: str = "auto"
     threads: int | None = None
     workers: int = 0
     seed: int = 0
@@ -106,24 +108,13 @@ class ProbeRun:
             )
         knn_ks = tuple(sorted(set(args.knn_k)))
         beside_out = args.out.resolve().parent
-        return cls(
-            dataset=args.dataset,
-            data_dir=args.data_dir,
-            features=args.features,
-            checkpoint=args.checkpoint,
-            preset=args.preset,
-            random_init=args.random_init,
-            out=args.out,
+        return typed_run(
+            cls,
+            args,
             cache_dir=args.cache_dir if args.cache_dir is not None else beside_out / "feature-cache",
             results_csv=args.results_csv if args.results_csv is not None else beside_out / "probe_results.csv",
-            device=args.device,
             dtype=torch_dtype(args.dtype) if args.dtype else None,
-            threads=args.threads,
-            workers=args.workers,
-            seed=args.seed,
             resize=ResizePolicy(args.short_side),
-            max_patches_per_pack=args.max_patches_per_pack,
-            side_limit_mode=args.side_limit_mode,
             baseline=not args.no_baseline,
             probe=ProbeConfig(
                 solver=args.solver,

@@ -19,15 +19,9 @@ from PIL import Image
 
 from . import __version__
 from .cli import (
-    add_attn_argument,
-    add_budget_argument,
+    ENCODER_OPTIONS,
     add_checkpoint_argument,
-    add_device_argument,
-    add_dtype_argument,
-    add_seed_argument,
-    add_side_limit_argument,
-    add_threads_argument,
-    add_workers_argument,
+    add_shared_arguments,
     apply_threads,
     existing_path,
     exit_on,
@@ -109,14 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="video files or folders (needs a tower with a temporal table: a Kimi-K2.5 / K2.6 checkpoint or a -3d "
         "preset); with the built-in samples, such a tower also encodes a built-in clip",
     )
-    add_dtype_argument(parser, "bf16", "compute dtype", choices=("bf16", "fp16", "fp32", "fp64"))
-    add_device_argument(parser)
-    add_attn_argument(parser)
-    add_threads_argument(parser)
-    add_workers_argument(parser)
-    add_budget_argument(parser)
-    add_side_limit_argument(parser)
-    add_seed_argument(parser, "seed of the random-init preset")
+    add_shared_arguments(
+        parser,
+        "dtype",
+        *ENCODER_OPTIONS,
+        "workers",
+        "max_patches_per_pack",
+        "side_limit_mode",
+        "seed",
+        dtype={"default": "bf16", "help": "compute dtype", "choices": ("bf16", "fp16", "fp32", "fp64")},
+        seed={"help": "seed of the random-init preset"},
+    )
     parser.add_argument(
         "--out", type=output_dir, default=Path("outputs/demo"), help="output folder (default: outputs/demo)"
     )

@@ -6,26 +6,31 @@ checks and defaults: ``--dtype`` (``bf16`` / ``fp16`` / ``fp32`` / ``fp64``, the
 long names ``bfloat16``, ``float32``, ... accepted and printed short),
 (llama.cpp's ``f32`` / ``f16`` too), ``--device`` (``cpu``, ``cuda``, ``cuda:N``, refused at parse time where torch
 has no CUDA), ``--threads``, ``--max-patches-per-pack``, ``--checkpoint`` (a
-folder or a hub id), ``--seed``, ``--side-limit-mode`` and ``--opset``. Every number and path
+folder or a hub id), ``--seed``, ``--side-limit-mode``, ``--attn`` and ``--opset``. Every number and path
 has a checking type here: argument types raise ``argparse.ArgumentTypeError``, so
 a bad value ends in one usage line and exit status 2 before any work starts.
 
 What can only fail later (a corrupt checkpoint, an unreadable image) ends in one
 ``error:`` line and exit status 1 through :func:`exit_on`, and warnings print as
 one ``warning:`` line each (:func:`one_line_warnings`), not with a source line.
+
+A command takes these by name (:func:`add_shared_arguments`, the names of :data:`SHARED_OPTIONS`;
+:data:`ENCODER_OPTIONS` for every command that runs an encoder) and reads them back into its typed
+run by field name (:func:`typed_run`), so a new shared option is added in this module, once.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -40,10 +45,15 @@ from .onnx.export import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET
 from .weights.hub import is_hub_id
 from .weights.storage import CheckpointError
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 __all__ = [
     "DTYPES",
+    "ENCODER_OPTIONS",
     "MIN_PATCH_BUDGET",
     "NOTICE_LOGGERS",
+    "SHARED_OPTIONS",
     "add_attn_argument",
     "add_budget_argument",
     "add_checkpoint_argument",
@@ -51,8 +61,10 @@ __all__ = [
     "add_dtype_argument",
     "add_opset_argument",
     "add_seed_argument",
+    "add_shared_arguments",
     "add_side_limit_argument",
     "add_threads_argument",
+    "add_workers_argument",
     "apply_threads",
     "attention_backend",
     "checkpoint_source",
@@ -76,6 +88,7 @@ __all__ = [
     "positive_int",
     "probability",
     "torch_dtype",
+    "typed_run",
 ]
 
 MIN_PATCH_BUDGET = 4
@@ -354,7 +367,9 @@ def apply_threads(threads: int | None) -> int:
     return torch.get_num_threads()
 
 
-def add_budget_argument(parser: argparse.ArgumentParser, default: int = DEFAULT_MAX_PATCHES_PER_PACK) -> None:
+def add_budget_argument(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: int = DEFAULT_MAX_PATCHES_PER_PACK
+) -> None:
     """``--max-patches-per-pack``: the patch budget of one encoder forward."""
     parser.add_argument(
         "--max-patches-per-pack",
@@ -378,13 +393,13 @@ def add_seed_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     parser.add_argument("--seed", type=non_negative_int, default=0, help=f"{help} (default: 0)")
 
 
-def add_opset_argument(parser: argparse.ArgumentParser) -> None:
+def add_opset_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--opset``: the ONNX opset of an exported graph."""
     help = f"ONNX opset, {MIN_OPSET} to {MAX_OPSET} (default: {DEFAULT_OPSET})"
     parser.add_argument("--opset", type=opset_version, default=DEFAULT_OPSET, help=help)
 
 
-def add_side_limit_argument(parser: argparse.ArgumentParser) -> None:
+def add_side_limit_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--side-limit-mode``: the processor's ``side_limit_mode`` (default: the checkpoint's setting)."""
     parser.add_argument(
         "--side-limit-mode",
@@ -393,6 +408,55 @@ def add_side_limit_argument(parser: argparse.ArgumentParser) -> None:
         help="an image with a side over 512 patches: refuse it (error) or scale it down (resize) "
         "(default: the checkpoint's preprocessor setting, else error)",
     )
+
+
+# ---- shared options, by name -------------------------------------------------------------------
+
+SHARED_OPTIONS: dict[str, Callable[..., None]] = {
+    "checkpoint": add_checkpoint_argument,
+    "dtype": add_dtype_argument,
+    "device": add_device_argument,
+    "attn": add_attn_argument,
+    "threads": add_threads_argument,
+    "workers": add_workers_argument,
+    "max_patches_per_pack": add_budget_argument,
+    "side_limit_mode": add_side_limit_argument,
+    "seed": add_seed_argument,
+    "opset": add_opset_argument,
+}
+"""Each shared option by its ``dest``, the field name of the typed runs, with the function that adds it."""
+
+ENCODER_OPTIONS = ("device", "attn", "threads")
+"""How a command runs its encoder: the options of every command that runs one (``python -m moonvit``,
+the export, the probe and the trainer)."""
+
+Run = TypeVar("Run", bound="DataclassInstance")
+
+
+def add_shared_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, *names: str, **settings: Mapping[str, Any]
+) -> None:
+    """Add the shared options ``names`` (keys of :data:`SHARED_OPTIONS`), in order; ``settings[name]``:
+    the keyword arguments of that option's ``add_*_argument`` (``dtype={"default": "bf16", "help": ...}``)."""
+    unknown = [name for name in names if name not in SHARED_OPTIONS]
+    if unknown:
+        raise ValueError(f"no shared option {unknown[0]!r}; expected one of {', '.join(SHARED_OPTIONS)}")
+    unused = sorted(set(settings) - set(names))
+    if unused:
+        raise ValueError(f"settings of options not added: {', '.join(unused)}")
+    for name in names:
+        SHARED_OPTIONS[name](parser, **settings.get(name, {}))
+
+
+def typed_run(cls: type[Run], args: argparse.Namespace, **values: Any) -> Run:
+    """The dataclass ``cls`` of a parsed command line: each field takes ``values``' entry when given (what
+    the command derives: a resolved default, another type), else the option of its name, else its default."""
+    fields = [field.name for field in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field {', '.join(unknown)}")
+    given = {name: getattr(args, name) for name in fields if name not in values and hasattr(args, name)}
+    return cls(**given, **values)
 
 
 # ---- running -------------------------------------------------------------------------------------

@@ -286,3 +286,154 @@ def test_user_errors_end_in_one_line_and_status_1(capsys):
     assert capsys.readouterr().err == "prog: error: checkpoint folder x does not exist\n"
     with pytest.raises(ZeroDivisionError), cli.exit_on(parser):  # bugs still show their traceback
         raise ZeroDivisionError
+
+
+# ---- --attn through every command -----------------------------------------------------------
+
+ENCODER_COMMANDS = ("python -m moonvit", "projector.export", "eval.linear_probe", "python -m train")
+
+
+class Reached(Exception):
+    """Raised where a command is about to run its encoder, carrying it."""
+
+    def __init__(self, encoder):
+        super().__init__()
+        self.encoder = encoder
+
+
+def test_every_command_that_runs_an_encoder_takes_one_attn_flag():
+    def attn(name):
+        return next(a for a in actions(PARSERS[name]()) if "--attn" in a.option_strings)
+
+    shared = attn("python -m moonvit")
+    assert shared.type is cli.attention_backend and shared.default == "auto"
+    for name in ENCODER_COMMANDS:
+        flag = attn(name)
+        assert (flag.type, flag.default, flag.metavar, flag.help) == (
+            shared.type,
+            shared.default,
+            shared.metavar,
+            shared.help,
+        ), name
+
+
+@pytest.mark.parametrize("name", ENCODER_COMMANDS)
+def test_an_unknown_attn_backend_is_one_usage_line(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        PARSERS[name]().parse_args(["--attn", "flash"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.endswith(
+        "error: argument --attn: unknown attention backend 'flash'; choose from " + ", ".join(cli.attention_names())
+    )
+
+
+def test_attn_reaches_the_main_jobs_encoder(tmp_path, monkeypatch):
+    def encode(encoder, *args, **kwargs):
+        raise Reached(encoder)
+
+    monkeypatch.setattr(moonvit_main, "iter_encode_images", encode)
+    with pytest.raises(Reached) as reached:
+        moonvit_main.main(["--preset", "tiny", "--dtype", "fp32", "--attn", "eager", "--out", str(tmp_path)])
+    assert reached.value.encoder.config.attn_implementation == "eager"
+
+
+def test_attn_reaches_the_exports_encoder_and_run(tmp_path):
+    from helpers import make_checkpoint
+
+    folder = make_checkpoint(tmp_path / "ckpt")
+    args = ["--inputs", str(tmp_path), "--checkpoint", str(folder), "--out", str(tmp_path / "out")]
+    run = export.export_run(export.build_parser().parse_args([*args, "--attn", "eager", "--device", "cpu"]))
+    assert run.attn == "eager"
+    assert export.export_run(export.build_parser().parse_args(args)).attn == "auto"
+    models = export.load_models(run.checkpoint, run.kinds, torch.float32, torch.device("cpu"), attn=run.attn)
+    assert models.encoder.config.attn_implementation == "eager"
+    assert models.attention(torch.device("cpu")) == "eager"  # what run.json's compute.attention records
+
+
+def test_attn_reaches_the_probes_encoder(tmp_path, monkeypatch):
+    def probe_view(view, probe, dataset, encoder, cache):
+        raise Reached(encoder.model)
+
+    monkeypatch.setattr(linear_probe, "probe_view", probe_view)
+    args = ["--preset", "tiny", "--random-init", "--dataset", "digits", "--no-logreg", "--no-baseline"]
+    with pytest.raises(Reached) as reached:
+        linear_probe.main([*args, "--device", "cpu", "--attn", "eager", "--out", str(tmp_path / "out")])
+    assert reached.value.encoder.config.attn_implementation == "eager"
+
+
+def test_attn_reaches_the_trainers_encoder_and_does_not_define_the_run(tmp_path, monkeypatch):
+    import train.loop as train_loop
+    from train.config import parse_args, run_defining
+
+    class Trainer(train_loop.Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            raise Reached(self.encoder)
+
+    args = ["--objective", "supervised", "--preset", "tiny", "--dataset", "digits", "--steps", "1", "--threads", "1"]
+    args += ["--device", "cpu", "--no-progress", "--out", str(tmp_path)]
+    config = parse_args([*args, "--attn", "eager"])
+    assert config.runtime.attn == "eager" and config.flat()["attn"] == "eager"
+    assert run_defining(config) == run_defining(parse_args(args))  # a run resumes on another backend
+    monkeypatch.setattr(train_loop, "Trainer", Trainer)
+    previous = torch.get_num_threads()
+    try:
+        with pytest.raises(Reached) as reached:
+            train_loop.main([*args, "--attn", "eager"])
+    finally:
+        torch.set_num_threads(previous)
+    assert reached.value.encoder.config.attn_implementation == "eager"
+
+
+def test_a_backend_that_cannot_run_is_one_line_before_any_work(tmp_path, monkeypatch, capsys):
+    """flash-attn installed but asked for on the CPU: the export and the probe end in one error line
+    (status 1), the trainer in one usage line (status 2), as does flex, which has no backward on CPU."""
+    from helpers import make_checkpoint
+
+    from moonvit.model import attention, flex
+
+    monkeypatch.setattr(attention, "_FLASH_ATTN_INSTALLED", True)
+    monkeypatch.setattr(flex, "_toolchain", lambda device_type: True)  # flex could run, forward only
+    cannot = "error: attn_implementation='flash_attention_2' cannot run: flash-attn needs a CUDA device"
+    folder = make_checkpoint(tmp_path / "ckpt")
+    flash = ["--attn", "flash_attention_2", "--device", "cpu"]
+    inputs = ["--inputs", str(tmp_path), "--checkpoint", str(folder), "--out", str(tmp_path / "e")]
+    probe = ["--preset", "tiny", "--random-init", "--dataset", "digits", "--no-logreg", "--out", str(tmp_path / "p")]
+    train = ["--objective", "supervised", "--preset", "tiny", "--dataset", "digits", "--steps", "1"]
+    train += ["--device", "cpu", "--out", str(tmp_path / "t")]
+    for command, args, status, line in (
+        (export.main, [*inputs, *flash], 1, cannot),
+        (linear_probe.main, [*probe, *flash], 1, cannot),
+        (train_config.parse_args, [*train, *flash], 2, "argument --attn: " + cannot.removeprefix("error: ")),
+        (train_config.parse_args, [*train, "--attn", "flex"], 2, "flex attention has no backward on CPU"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            command(args)
+        assert exit_info.value.code == status, args
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and line in err.strip().splitlines()[-1], err
+    assert not any((tmp_path / name).exists() for name in ("e", "p", "t"))
+
+
+def test_shared_options_are_added_by_name_and_read_back_by_field():
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Run:
+        attn: str
+        threads: int | None = None
+        seed: int = 0
+        extra: str = "kept"
+
+    parser = argparse.ArgumentParser()
+    cli.add_shared_arguments(parser, *cli.ENCODER_OPTIONS, "seed", seed={"help": "seed of the test"})
+    args = parser.parse_args(["--attn", "eager", "--threads", "2", "--device", "cpu"])
+    assert cli.typed_run(Run, args) == Run("eager", 2, 0)
+    assert cli.typed_run(Run, args, seed=5, extra="derived") == Run("eager", 2, 5, "derived")
+    with pytest.raises(TypeError, match="Run has no field nope"):
+        cli.typed_run(Run, args, nope=1)
+    with pytest.raises(ValueError, match="no shared option 'colour'"):
+        cli.add_shared_arguments(argparse.ArgumentParser(), "colour")
+    with pytest.raises(ValueError, match="settings of options not added: dtype"):
+        cli.add_shared_arguments(argparse.ArgumentParser(), "seed", dtype={"default": "bf16", "help": "x"})

@@ -6,8 +6,8 @@ time. ``--smoke`` fills in its settings, and the objective its defaults (``--bet
 
 Flags that change what is trained (data, model, recipe, length, seed) are *run-defining*: rerunning
 into an ``--out`` that holds a run started with other values is refused, naming the flag. The
-others (threads, device, saving and validation cadence, progress bar) may change between a run and
-its resumption.
+others (threads, device, attention backend, saving and validation cadence, progress bar) may change
+between a run and its resumption.
 """
 
 from __future__ import annotations
@@ -18,15 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 import moonvit
 from eval.datasets import DEFAULT_FASHION_MNIST_DIR
 from moonvit.cli import (
+    ENCODER_OPTIONS,
     add_checkpoint_argument,
-    add_device_argument,
-    add_dtype_argument,
-    add_seed_argument,
-    add_threads_argument,
-    add_workers_argument,
+    add_shared_arguments,
     drop_rate,
     existing_folder,
     fraction,
@@ -36,7 +35,9 @@ from moonvit.cli import (
     positive_float,
     positive_int,
     probability,
+    typed_run,
 )
+from moonvit.model.attention import AttentionUnavailableError, resolve_attn_implementation
 
 from .augment import AugmentConfig
 from .objectives import OBJECTIVES
@@ -59,6 +60,7 @@ __all__ = [
 NOT_RUN_DEFINING = frozenset(
     {
         "out",
+        "attn",
         "threads",
         "workers",
         "device",
@@ -130,6 +132,7 @@ class RuntimeSection:
     device: str = "cpu"
     dtype: str = "bf16"
     fsdp: bool = False
+    attn: str = "auto"
     threads: int | None = None
     workers: int = 0
     save_every: int = 200
@@ -225,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="training time: the step count is fixed before step 0 from timed steps (validation included; "
         "the final test evaluation and export come after)",
     )
-    add_seed_argument(run, "seed of initialisation, plan, augmentation")
+    add_shared_arguments(run, "seed", seed={"help": "seed of initialisation, plan, augmentation"})
     run.add_argument("--smoke", action="store_true", help="a quick end-to-end check: 30 steps, small evaluations")
 
     model = parser.add_argument_group("model")
@@ -366,13 +369,20 @@ def build_parser() -> argparse.ArgumentParser:
     optim.add_argument(
         "--clip-grad", type=non_negative_float, default=1.0, help="gradient norm clip; 0: off (default: 1)"
     )
-    add_dtype_argument(parser, "bf16", "autocast dtype of forward and backward (weights stay fp32)", ("bf16", "fp32"))
+    add_shared_arguments(
+        parser,
+        "dtype",
+        dtype={
+            "default": "bf16",
+            "help": "autocast dtype of forward and backward (weights stay fp32)",
+            "choices": ("bf16", "fp32"),
+        },
+    )
     optim.add_argument("--fsdp", action="store_true", help="under torchrun: shard weights with FSDP2 instead of DDP")
 
     runtime = parser.add_argument_group("runtime")
-    add_device_argument(parser)
-    add_threads_argument(parser)
-    add_workers_argument(runtime, "steps' packs")
+    add_shared_arguments(parser, *ENCODER_OPTIONS)
+    add_shared_arguments(runtime, "workers", workers={"what": "steps' packs"})
     runtime.add_argument(
         "--save-every",
         type=non_negative_int,
@@ -425,18 +435,19 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             steps = SMOKE["steps"]
     if steps is None and args.epochs is None and args.minutes is None:
         parser.error("give the run's length: --steps, --epochs or --minutes (or --smoke)")
+    _check_attention(parser, args.attn, args.device)
     objective = OBJECTIVES[args.objective]
-
-    def section(cls: type, **values: Any) -> Any:
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name not in values}, **values)
-
     config = TrainConfig(
-        run=section(RunSection, steps=steps),
-        model=section(
-            ModelSection, drop_path=objective.default_drop_path if args.drop_path is None else args.drop_path
+        run=typed_run(RunSection, args, steps=steps),
+        model=typed_run(
+            ModelSection, args, drop_path=objective.default_drop_path if args.drop_path is None else args.drop_path
         ),
-        data=section(
-            DataSection, resolution=(low, high), eval_resolution=args.eval_resolution or high, eval_limit=eval_limit
+        data=typed_run(
+            DataSection,
+            args,
+            resolution=(low, high),
+            eval_resolution=args.eval_resolution or high,
+            eval_limit=eval_limit,
         ),
         augment=AugmentConfig(
             crop_scale=args.crop_scale,
@@ -447,11 +458,22 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             cutmix=args.cutmix,
             mix_prob=args.mix_prob,
         ),
-        optim=section(OptimConfig, betas=objective.default_betas if args.betas is None else tuple(args.betas)),
-        runtime=section(RuntimeSection, evals=evals),
+        optim=typed_run(OptimConfig, args, betas=objective.default_betas if args.betas is None else tuple(args.betas)),
+        runtime=typed_run(RuntimeSection, args, evals=evals),
         options=objective.options_from(args),
     )
     return objective.check_config(config, parser.error)
+
+
+def _check_attention(parser: argparse.ArgumentParser, attn: str, device: str) -> None:
+    """Refuse, as a usage error, an ``--attn`` backend that cannot train on ``device``: the encoder's
+    weights stay fp32 under autocast, and its forward picks its backend for them."""
+    try:
+        resolve_attn_implementation(attn, torch.device(device), torch.float32)
+    except AttentionUnavailableError as error:
+        parser.error(f"argument --attn: {error}")
+    if attn == "flex" and torch.device(device).type == "cpu":
+        parser.error(f"argument --attn: flex attention has no backward on CPU in torch {torch.__version__}; use sdpa")
 
 
 def _objective_flags(parser: argparse.ArgumentParser, name: str) -> dict[str, argparse.Action]:

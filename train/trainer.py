@@ -60,6 +60,7 @@ class Trainer:
         self.config, self.ranks, self.device = config, ranks, device
         self.encoder, self.processor, self.objective = encoder, processor, objective
         self.data, self.plan = data, plan
+        encoder.set_attn_implementation(config.runtime.attn)  # --attn: checked for this device when parsed
         self.parallel = Parallel(TrainModule(encoder, objective).to(device), ranks, device, config.runtime.fsdp)
         self.autocast_dtype = torch_dtype(config.runtime.dtype)
         self.step = 0

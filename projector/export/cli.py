@@ -6,21 +6,22 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from moonvit.cli import (
-    add_budget_argument,
+    ENCODER_OPTIONS,
     add_checkpoint_argument,
-    add_device_argument,
-    add_dtype_argument,
-    add_side_limit_argument,
-    add_threads_argument,
-    add_workers_argument,
+    add_shared_arguments,
     device_name,
     existing_path,
     exit_on,
     one_line_warnings,
     output_dir,
     positive_int,
+    torch_dtype,
+    typed_run,
 )
+from moonvit.model.attention import resolve_attn_implementation
 
 from .run import export
 from .settings import ENGINES, STORES, ExportError, ExportRun
@@ -56,18 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
         default="projected",
         help="merged encoder tokens, projected tokens, or both (default: projected)",
     )
-    add_dtype_argument(parser, "bf16", "compute and storage dtype")
-    add_budget_argument(parser)
-    parser.add_argument("--shard-size", type=positive_int, default=1000, help="images per shard (default: 1000)")
-    add_side_limit_argument(parser)
-    add_device_argument(
-        parser,
-        "cpu, cuda or cuda:N (each torchrun rank takes cuda:LOCAL_RANK; --engine ray: the encoder actors' device, "
-        "which the driver need not have)",
-        here=False,
+    add_shared_arguments(
+        parser, "dtype", "max_patches_per_pack", dtype={"default": "bf16", "help": "compute and storage dtype"}
     )
-    add_threads_argument(parser)
-    add_workers_argument(parser, "packs of images")
+    parser.add_argument("--shard-size", type=positive_int, default=1000, help="images per shard (default: 1000)")
+    add_shared_arguments(
+        parser,
+        "side_limit_mode",
+        *ENCODER_OPTIONS,
+        "workers",
+        device={
+            "help": "cpu, cuda or cuda:N (each torchrun rank takes cuda:LOCAL_RANK; --engine ray: the encoder "
+            "actors' device, which the driver need not have)",
+            "here": False,
+        },
+        workers={"what": "packs of images"},
+    )
     parser.add_argument(
         "--cache",
         type=output_dir,
@@ -99,23 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def export_run(args: argparse.Namespace) -> ExportRun:
     """The typed settings of a parsed command line (the one place that reads the namespace)."""
-    return ExportRun(
-        inputs=args.inputs,
-        checkpoint=args.checkpoint,
-        out=args.out,
-        store=args.store,
-        dtype=args.dtype,
-        max_patches_per_pack=args.max_patches_per_pack,
-        shard_size=args.shard_size,
-        side_limit_mode=args.side_limit_mode,
-        device=args.device,
-        threads=args.threads,
-        workers=args.workers,
-        cache=args.cache,
-        engine=args.engine,
-        encoder_actors=args.encoder_actors,
-        ray_address=args.ray_address,
-    )
+    return typed_run(ExportRun, args)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -127,4 +116,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         except argparse.ArgumentTypeError as error:
             parser.error(f"argument --device: {error}")
     with one_line_warnings(), exit_on(parser, ExportError):
+        # a backend that cannot run there is one line before any input is read (the device's type is what
+        # counts: each rank's cuda:LOCAL_RANK, or the Ray actors', are of the same type)
+        resolve_attn_implementation(args.attn, torch.device(args.device), torch_dtype(args.dtype))
         return export(export_run(args))

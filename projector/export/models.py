@@ -43,11 +43,14 @@ def load_models(
     dtype: torch.dtype,
     device: torch.device,
     processor_overrides: dict[str, Any] | None = None,
+    attn: str = "auto",
 ) -> Models:
-    """Load the checkpoint (a folder or hub id) and hash the weights as read (before the cast to ``dtype``)."""
+    """Load the checkpoint (a folder or hub id) and hash the weights as read (before the cast to ``dtype``);
+    the encoder runs on attention backend ``attn`` (whether it can run on ``device`` is
+    :meth:`Models.attention`'s check)."""
     digest = hashlib.sha256()
     try:
-        encoder = MoonViT.from_pretrained(checkpoint, device="cpu")
+        encoder = MoonViT.from_pretrained(checkpoint, device="cpu", attn_implementation=attn)
         update_weights_digest(digest, encoder, "encoder.")
         projector = None
         if "projected" in store:

@@ -43,6 +43,9 @@ class ExportRun:
     """The processor's ``side_limit_mode`` (error, resize), or None for the checkpoint's."""
     device: str = field(default_factory=default_device)
     """cpu, cuda or cuda:N (each torchrun rank takes cuda:LOCAL_RANK)."""
+    attn: str = "auto"
+    """The encoder's attention backend (``auto`` or a registered one); ``run.json`` records the one it
+    resolves to, in ``compute.attention``."""
     threads: int | None = None
     """torch CPU threads per process, or None for torch's choice."""
     workers: int = 0
