@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import PurePosixPath
 
-__all__ = ["display_name", "path_keys", "path_record", "recorded_path", "text_bytes", "unique_names"]
+__all__ = ["display_ids", "display_name", "path_keys", "path_record", "recorded_path", "text_bytes", "unique_names"]
 
 
 def display_name(name: str | os.PathLike[str]) -> str:
@@ -31,6 +31,20 @@ def display_name(name: str | os.PathLike[str]) -> str:
         return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     except UnicodeEncodeError:  # a surrogate no file name decodes to: escape it as it is
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def display_ids(names: Sequence[str]) -> list[str]:
+    r"""One id per name, as text: its :func:`display_name`, where distinct names never share one.
+
+    A name that is not UTF-8 (``caf\udce9.png``) displays as another, valid name may be spelled
+    (``caf\xe9.png`` with a backslash): the valid name keeps its own spelling and the other one
+    becomes ``caf\xe9~2.png`` (:func:`unique_names`). The same name given twice keeps one id, for
+    the caller to refuse or accept as a repeat.
+    """
+    distinct = list(dict.fromkeys(names))
+    ordered = sorted(distinct, key=lambda name: display_name(name) != name)  # stable: valid names first
+    ids = dict(zip(ordered, unique_names([display_name(name) for name in ordered])))
+    return [ids[name] for name in names]
 
 
 def text_bytes(text: str) -> bytes:

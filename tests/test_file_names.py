@@ -18,7 +18,7 @@ from helpers import make_checkpoint, run_export
 from PIL import Image
 from safetensors.torch import load_file
 
-from moonvit.names import display_name, path_keys, path_record, recorded_path, text_bytes
+from moonvit.names import display_ids, display_name, path_keys, path_record, recorded_path, text_bytes
 
 LATIN1 = b"caf\xe9.png"
 """A name in Latin-1: ``\\xe9`` alone is not UTF-8."""
@@ -86,6 +86,26 @@ def test_the_export(latin1_classes, tmp_path, capsys):
         assert hashlib.sha256(file.read()).hexdigest() == line["sha256"]
     assert all("path_hex" in line for line in lines)  # every path runs through the Latin-1 folder
     assert {"plain/1.png", f"plain/{SHOWN}"} <= {line["id"] for line in lines}  # ids are relative to it
+
+
+def test_a_latin1_name_and_a_name_spelled_as_its_escape_are_two_inputs(tmp_path):
+    """``caf\\xe9.png`` in Latin-1 and a UTF-8 name spelled with the escape's characters are two
+    files: two ids (the valid name keeps its own), in a folder and in a list."""
+    folder = tmp_path / "images"
+    latin1 = write_image(folder, LATIN1, seed=1)
+    spelled = write_image(folder, SHOWN.encode(), seed=2)
+    assert display_ids([os.fsdecode(LATIN1), SHOWN, SHOWN]) == ["caf\\xe9~2.png", SHOWN, SHOWN]
+    checkpoint = make_checkpoint(tmp_path / "ckpt")
+    listing = tmp_path / "list.txt"
+    listing.write_bytes(b"images/" + LATIN1 + b"\nimages/" + SHOWN.encode() + b"\n")
+    for inputs, prefix in ((folder, ""), (listing, "images/")):
+        out = tmp_path / f"out-{inputs.name}"
+        summary = run_export("--inputs", inputs, "--checkpoint", checkpoint, "--out", out)
+        assert summary["images"] == 2 and summary["failed"] == 0
+        lines = {json.loads(line)["id"]: json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()}
+        assert set(lines) == {prefix + SHOWN, prefix + "caf\\xe9~2.png"}
+        assert recorded_path(lines[prefix + SHOWN]) == spelled
+        assert recorded_path(lines[prefix + "caf\\xe9~2.png"]) == latin1
 
 
 def test_the_linear_probe(latin1_classes, tmp_path, capsys):

@@ -12,7 +12,7 @@ from pathlib import Path
 from moonvit import IMAGE_EXTENSIONS
 from moonvit.files import files_below, skipped_line
 from moonvit.media.video import VIDEO_EXTENSIONS
-from moonvit.names import display_name, recorded_path, text_bytes
+from moonvit.names import display_ids, recorded_path, text_bytes
 
 from .settings import ExportError
 
@@ -79,14 +79,17 @@ def read_inputs(path: Path) -> list[InputImage]:
 
 def _folder_inputs(folder: Path) -> tuple[list[InputImage], dict[str, int]]:
     files, skipped = files_below(folder, IMAGE_EXTENSIONS | VIDEO_EXTENSIONS)
-    # the id is text of JSON and of prompts: a name that is not UTF-8 is shown escaped (moonvit.names)
-    return [InputImage(display_name(p.relative_to(folder).as_posix()), str(p)) for p in files], skipped
+    # the id is text of JSON and of prompts: a name that is not UTF-8 is shown escaped, apart from
+    # any other file's (moonvit.names.display_ids)
+    ids = display_ids([p.relative_to(folder).as_posix() for p in files])
+    return [InputImage(name, str(p)) for name, p in zip(ids, files)], skipped
 
 
 def _text_inputs(file: Path) -> list[InputImage]:
     # a list of file names: bytes that are not UTF-8 are kept as Python keeps them in names
-    lines = (line.strip() for line in file.read_text(encoding="utf-8", errors="surrogateescape").splitlines())
-    return [InputImage(display_name(line), str(file.parent / line)) for line in lines if line]
+    text = file.read_text(encoding="utf-8", errors="surrogateescape")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return [InputImage(name, str(file.parent / line)) for name, line in zip(display_ids(lines), lines)]
 
 
 def _jsonl_inputs(file: Path) -> list[InputImage]:
