@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from .media.image import image_sources
+from .media.image import ImageChangedError, image_sources
 from .media.packing import DEFAULT_MAX_PATCHES_PER_PACK, MediaInput, Pack, PackItem, pack_images
 from .media.processor import MoonViTImageProcessor
 from .media.video import MoonViTVideoProcessor, is_video
@@ -149,9 +149,11 @@ def process_pack(
     """Decode a pack's images and video chunks into one batch.
 
     Video chunks go through ``video_processor`` (default:
-    :meth:`MoonViTVideoProcessor.for_images` of ``processor``). With ``skip_errors``, an
-    item that cannot be decoded (``ImageLoadError``, a bad size, an OS error) is left out and
-    its reason recorded by :attr:`PackItem.key`; otherwise the error propagates.
+    :meth:`MoonViTVideoProcessor.for_images` of ``processor``). An image whose pixels give
+    another grid than it was planned at from its header (a file replaced since) is an
+    :class:`~moonvit.media.image.ImageChangedError`. With ``skip_errors``, an item that cannot
+    be decoded (``ImageLoadError``, a bad size, an OS error) is left out and its reason recorded
+    by :attr:`PackItem.key`; otherwise the error propagates.
 
     Returns:
         (pixel_values (L, 3, p, p) float32, grid_thws (N, 3) int64 of the decoded items,
@@ -167,6 +169,12 @@ def process_pack(
             else:
                 batch = processor([item.source], in_token_limit=[item.in_token_limit])  # type: ignore[list-item]
                 item_pixels, thw = batch.pixel_values, (1, *batch.grid_hws[0].tolist())
+                if thw[1:] != tuple(item.plan.grid_hw):  # its header said otherwise when it was planned
+                    raise ImageChangedError(
+                        f"input image {item.index} ({_name(item.source)}) decodes to a {thw[1]}x{thw[2]} patch grid, "
+                        f"planned at {item.plan.grid_hw[0]}x{item.plan.grid_hw[1]} from its header: it changed after "
+                        "it was planned"
+                    )
         except (ValueError, OSError) as error:  # ImageLoadError and VideoLoadError included
             if not skip_errors:
                 raise

@@ -11,7 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["ABSENT", "Difference", "differences", "describe_differences"]
+import PIL
+import torch
+
+from .model.linear import cpu_has_bf16_arithmetic
+
+__all__ = ["ABSENT", "Difference", "compute_facts", "differences", "describe_differences", "host_facts"]
 
 ABSENT = "(absent)"
 """The value shown for a key that one side lacks."""
@@ -42,3 +47,30 @@ def describe_differences(
 ) -> str:
     """Each difference through ``template`` (fields ``key``, ``before``, ``after``), joined by ``separator``."""
     return separator.join(template.format(key=key, before=before, after=after) for key, before, after in changes)
+
+
+def host_facts(device: torch.device) -> dict[str, Any]:
+    """What a forward's and a decode's bytes depend on in the host itself, as this process sees it:
+    the CPU's bf16 arithmetic and matrix units (the bf16 linears widen to float32 without the
+    former, and oneDNN picks its bf16 kernels by both; None off the CPU) and Pillow, which decodes
+    and resizes."""
+    on_cpu = device.type == "cpu"
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return {
+        "bf16_arithmetic": cpu_has_bf16_arithmetic() if on_cpu else None,
+        "amx": bool(amx()) if amx is not None and on_cpu else None,
+        "pillow": PIL.__version__,
+    }
+
+
+def compute_facts(device: torch.device) -> dict[str, Any]:
+    """What a run's numbers depend on beyond its arguments and weights: the threads per process in
+    effect, torch's version, the device type, on the CPU the kernel level torch dispatches to, and
+    the :func:`host_facts`. JSON types only, so it compares equal to a record read back."""
+    return {
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "device_type": device.type,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else None,
+        "host": host_facts(device),
+    }

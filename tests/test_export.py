@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,12 +16,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close_across_shapes, folder_bytes, make_checkpoint, run_export, write_images
+from helpers import (
+    assert_close_across_shapes,
+    folder_bytes,
+    make_checkpoint,
+    run_export,
+    with_threads,
+    write_images,
+)
 from PIL import Image
 from safetensors import safe_open
 
+import moonvit
+import projector.export.run as export_run
 from moonvit import MoonViT, MoonViTImageProcessor
+from moonvit.files import sha256_file
 from moonvit.model.attention import resolve_attn_implementation
+from moonvit.runs import compute_facts
 from projector import MoonViTProjector
 from projector.dataset import VisualTokenDataset
 from projector.export import ExportError, InputImage, read_inputs, split_balanced
@@ -329,15 +341,124 @@ def test_run_json_records_what_the_bytes_depend_on(tmp_path, checkpoint):
     write_images(tmp_path / "images", 1)
     run_export("--inputs", tmp_path / "images", "--checkpoint", checkpoint, "--out", tmp_path / "out", threads=2)
     run = json.loads((tmp_path / "out" / "run.json").read_text())
-    assert run["compute"] == {
-        "threads": 2,
-        "torch": torch.__version__,
-        "device_type": "cpu",
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "attention": resolve_attn_implementation("auto", torch.device("cpu"), torch.bfloat16),
-    }
+    attention = resolve_attn_implementation("auto", torch.device("cpu"), torch.bfloat16)
+    assert run["compute"] == {**with_threads(compute_facts, torch.device("cpu")), "threads": 2, "attention": attention}
+    assert set(run["compute"]["host"]) == {"bf16_arithmetic", "amx", "pillow"}
     assert run["compute"]["attention"] in ("openvino", "sdpa")
     assert run["arguments"]["threads"] == 2 and run["checkpoint"]["path"] == str(checkpoint.resolve())
+    configs = [MoonViT.from_pretrained(checkpoint).config, MoonViTProjector.from_pretrained(checkpoint).config]
+    assert [run["models"][name] for name in ("encoder", "projector")] == json.loads(
+        json.dumps([config.to_dict() for config in configs])
+    )
+    assert run["moonvit_version"] == moonvit.__version__
+
+
+def test_attn_is_part_of_the_run(tmp_path, checkpoint, capsys):
+    write_images(tmp_path / "images", 2)
+    args = ["--inputs", tmp_path / "images", "--checkpoint", checkpoint, "--out", tmp_path / "out"]
+    run_export(*args, "--attn", "eager")
+    run = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert run["compute"]["attention"] == "eager" and run["arguments"]["attn"] == "eager"
+    assert run["models"]["encoder"]["attn_implementation"] == "eager"
+    line = export_error(capsys, *args, "--attn", "sdpa")
+    assert "arguments.attn: 'eager' there, 'sdpa' now" in line and "compute.attention: 'eager' there" in line
+
+
+def test_the_same_tensors_under_another_config_are_another_run(tmp_path, checkpoint, capsys):
+    """A config.json change that leaves every tensor as it is (here the head count) gives other
+    tokens: a finished --out is refused, and a shared --cache encodes again, never serving the
+    first model's tokens."""
+    write_images(tmp_path / "images", 3)
+    cache = tmp_path / "cache"
+    args = ["--inputs", tmp_path / "images", "--cache", cache]
+    first = run_export(*args, "--checkpoint", checkpoint, "--out", tmp_path / "out")
+    assert first["encoded_this_run"] == 3
+
+    other = tmp_path / "other-heads"
+    shutil.copytree(checkpoint, other)
+    config = json.loads((other / "config.json").read_text())
+    assert config["num_attention_heads"] == 4
+    (other / "config.json").write_text(json.dumps({**config, "num_attention_heads": 8}))
+    line = export_error(capsys, *args, "--checkpoint", other, "--out", tmp_path / "out")
+    assert "models.encoder.num_attention_heads: 4 there, 8 now" in line
+
+    second = run_export(*args, "--checkpoint", other, "--out", tmp_path / "out-other")
+    assert second["cache_reused_this_run"] == 0 and second["encoded_this_run"] == 3
+    old, new = (VisualTokenDataset(tmp_path / name) for name in ("out", "out-other"))
+    assert not torch.equal(old[0]["projected"], new[0]["projected"])
+    assert len(list(cache.iterdir())) == 2  # one folder per model
+
+
+def test_an_image_replaced_after_planning_is_not_stored_under_its_old_hash(tmp_path, checkpoint, monkeypatch):
+    """The hash and the pixels come from one read: a file replaced between planning and decoding
+    fails with its reason (the same size, other pixels), nothing is cached under the old content's
+    hash, and the next run encodes the new content."""
+    paths = write_images(tmp_path / "images", 3)
+    target = sorted(paths)[0]
+    cache = tmp_path / "cache"
+    real_plan_all = export_run.plan_all
+
+    def plan_then_replace(*args, **kwargs):
+        planned = real_plan_all(*args, **kwargs)
+        with Image.open(target) as image:
+            size, kind = image.size, image.format
+        Image.new("RGB", size, (200, 30, 90)).save(target, format=kind)
+        return planned
+
+    monkeypatch.setattr(export_run, "plan_all", plan_then_replace)
+    args = ["--inputs", tmp_path / "images", "--checkpoint", checkpoint, "--cache", cache]
+    summary = run_export(*args, "--out", tmp_path / "out")
+    assert summary["records"] == 2 and summary["failed"] == 1
+    (failure,) = [json.loads(line) for line in (tmp_path / "out" / "failures.jsonl").read_text().splitlines()]
+    assert failure["path"] == str(target) and "changed after it was planned" in failure["reason"]
+    stored = {entry.stem for entry in cache.rglob("*.safetensors")}
+    assert sha256_file(target) not in stored and len(stored) == 2
+
+    monkeypatch.setattr(export_run, "plan_all", real_plan_all)
+    again = run_export(*args, "--out", tmp_path / "again")
+    assert again["records"] == 3 and again["cache_reused_this_run"] == 2 and again["encoded_this_run"] == 1
+    assert sha256_file(target) in {entry.stem for entry in cache.rglob("*.safetensors")}
+
+
+def test_a_decoded_image_whose_grid_is_not_the_planned_one_is_refused(tmp_path, checkpoint):
+    """A file replaced by an image of another size between its header read and its decoding."""
+    from moonvit.encode import process_pack
+    from moonvit.media.packing import Pack, plan_pack_item
+
+    path = tmp_path / "a.png"
+    Image.new("RGB", (60, 40)).save(path)
+    processor = MoonViTImageProcessor.from_pretrained(checkpoint)
+    item = plan_pack_item(0, str(path), processor, 4096)
+    Image.new("RGB", (120, 40)).save(path)
+    _, grids, items, failures = process_pack(processor, Pack((item,)), skip_errors=True)
+    assert items == () and len(grids) == 0
+    rows, cols = item.plan.grid_hw
+    assert "it changed after it was planned" in failures[item.key] and f"planned at {rows}x{cols}" in failures[item.key]
+
+
+def test_a_cache_shared_by_processes_starting_at_once(tmp_path, checkpoint):
+    """Two exports (as torchrun ranks or two jobs sharing a cache) creating one fresh cache at the
+    same time: both finish, with the same tokens, and the cache holds each image once."""
+    write_images(tmp_path / "images", 4)
+    cache = tmp_path / "cache"
+    common = ["--inputs", str(tmp_path / "images"), "--checkpoint", str(checkpoint), "--cache", str(cache)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "projector.export", *common, "--out", str(tmp_path / f"out{k}"), "--threads", "1"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for k in range(3)
+    ]  # fmt: skip
+    try:
+        results = [run.communicate(timeout=400) for run in runs]
+    finally:
+        for run in runs:
+            run.kill()
+    assert [run.returncode for run in runs] == [0, 0, 0], [err[-1500:] for _, err in results]
+    assert folder_bytes(tmp_path / "out0") == folder_bytes(tmp_path / "out1") == folder_bytes(tmp_path / "out2")
+    assert len(list(cache.rglob("*.safetensors"))) == 4 and len(list(cache.rglob("settings.json"))) == 1
+    assert not list(cache.rglob("*.tmp"))
 
 
 @pytest.mark.slow

@@ -17,9 +17,12 @@ import pytest
 import torch
 from helpers import folder_bytes, make_checkpoint, run_export, with_threads, write_images
 
+import moonvit.runs
 from moonvit.model.attention import resolve_attn_implementation
+from moonvit.runs import compute_facts
 from projector.export import ExportError, ExportRun, export, load_models, plan_input, ray_engine, scan_inputs
-from projector.export.ray_engine import EncodePacks, fingerprint
+from projector.export.cache import TokenCache
+from projector.export.ray_engine import EncodePacks
 
 ray = pytest.importorskip("ray")
 
@@ -66,17 +69,8 @@ def common(images: Path, checkpoint: Path) -> list[str | Path]:
 
 
 def ray_run(images: Path, checkpoint: Path, out: Path, **settings) -> ExportRun:
-    return ExportRun(
-        inputs=images,
-        checkpoint=str(checkpoint),
-        out=out,
-        max_patches_per_pack=128,
-        shard_size=3,
-        device="cpu",
-        threads=1,
-        engine="ray",
-        **settings,
-    )
+    defaults = dict(max_patches_per_pack=128, shard_size=3, device="cpu", threads=1, engine="ray")
+    return ExportRun(inputs=images, checkpoint=str(checkpoint), out=out, **{**defaults, **settings})
 
 
 def test_the_ray_engine_writes_the_local_engine_s_bytes(local_ray, tmp_path, checkpoint, images, local_output):
@@ -143,26 +137,21 @@ def test_the_cache_serves_the_ray_engine(local_ray, tmp_path, checkpoint, images
 
 
 def test_an_actor_that_would_give_other_bytes_is_refused(checkpoint):
-    compute = {
-        "threads": 1,
-        "torch": "1.0.0",
-        "device_type": "cpu",
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "attention": ATTENTION,
-    }
-    driver = fingerprint(torch.device("cpu"))
+    compute = {**compute_facts(torch.device("cpu")), "threads": 1, "torch": "1.0.0", "attention": ATTENTION}
     args = (str(checkpoint), ("projected",), "bf16", "cpu", {}, compute, "0" * 64)
     with pytest.raises(ExportError, match=r"torch: '1.0.0' on the driver, '.+' here"):
-        with_threads(EncodePacks, *args, driver)
+        with_threads(EncodePacks, *args)
     compute["torch"] = torch.__version__
-    with pytest.raises(ExportError, match=r"amx: 'other' on the driver"):
-        with_threads(EncodePacks, *args, {**driver, "amx": "other"})
+    compute["host"] = {**compute["host"], "amx": "other"}
+    with pytest.raises(ExportError, match=r"host.amx: 'other' on the driver"):
+        with_threads(EncodePacks, *args)
+    compute["host"] = compute_facts(torch.device("cpu"))["host"]
     compute["attention"] = "eager"
     with pytest.raises(ExportError, match=rf"attention: 'eager' on the driver, '{ATTENTION}' here"):
-        with_threads(EncodePacks, *args, driver)
+        with_threads(EncodePacks, *args)
     compute["attention"] = ATTENTION
     with pytest.raises(ExportError, match="holds other weights"):
-        with_threads(EncodePacks, *args, driver)
+        with_threads(EncodePacks, *args)
 
 
 def test_a_pack_s_result_carries_its_own_tokens_only(checkpoint, images):
@@ -171,19 +160,8 @@ def test_a_pack_s_result_carries_its_own_tokens_only(checkpoint, images):
     from moonvit.media.packing import group_into_packs
 
     models = load_models(checkpoint, ("projected",), torch.bfloat16, torch.device("cpu"))
-    run_json = {"threads": torch.get_num_threads(), "torch": torch.__version__, "device_type": "cpu"}
-    run_json["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-    run_json["attention"] = ATTENTION
-    actor = EncodePacks(
-        str(checkpoint),
-        ("projected",),
-        "bf16",
-        "cpu",
-        {},
-        run_json,
-        models.checkpoint_sha256,
-        fingerprint(torch.device("cpu")),
-    )
+    run_json = {**compute_facts(torch.device("cpu")), "attention": ATTENTION}
+    actor = EncodePacks(str(checkpoint), ("projected",), "bf16", "cpu", {}, run_json, models.checkpoint_sha256)
     planned = [plan_input(i, image, models, 4096) for i, image in enumerate(scan_inputs(images).images)]
     pack = next(group_into_packs((item for entry in planned for item in entry.items), 4096))
     processed = process_pack(models.processor, pack, skip_errors=True)
@@ -201,16 +179,73 @@ def test_a_run_with_nothing_to_encode_starts_no_ray(tmp_path, checkpoint, images
     def no_ray(*args, **kwargs):
         raise AssertionError("Ray was started")
 
+    reads: list[tuple[str, bool]] = []
+    real_read = TokenCache._read
+
+    def counted(self, sha256, tensors):
+        reads.append((sha256, tensors))
+        return real_read(self, sha256, tensors)
+
     monkeypatch.setattr(ray_engine, "ray_session", no_ray)
+    monkeypatch.setattr(TokenCache, "_read", counted)
     summary = with_threads(export, ray_run(images, checkpoint, tmp_path / "out", cache=cache))
     assert summary["encoded_this_run"] == 0 and summary["cache_reused_this_run"] == 10
+    # each entry's header checked when planned, its tensors read (and their hash checked) once
+    assert sorted(sha for sha, tensors in reads if tensors) == sorted(sha for sha, tensors in reads if not tensors)
+    assert len(reads) == 20 and len({sha for sha, _ in reads}) == 10
+
+
+def test_an_entry_damaged_inside_is_removed_and_encoded_by_the_next_run(tmp_path, checkpoint, images, monkeypatch):
+    """Its header is fine (the planning check passes), its bytes are not: the run stops naming it,
+    and the next run encodes it."""
+    cache = tmp_path / "cache"
+    run_export(*common(images, checkpoint), "--out", tmp_path / "first", "--cache", cache)
+    entry = sorted(cache.rglob("*.safetensors"))[3]
+    data = bytearray(entry.read_bytes())
+    data[-1] ^= 0xFF
+    entry.write_bytes(bytes(data))
+    monkeypatch.setattr(ray_engine, "ray_session", lambda *args, **kwargs: pytest.fail("Ray was started"))
+    with pytest.raises(ExportError, match=rf"the cache entry of {entry.stem} .* it was removed: run again"):
+        with_threads(export, ray_run(images, checkpoint, tmp_path / "out", cache=cache))
+    assert not entry.exists()
+    again = run_export(*common(images, checkpoint), "--out", tmp_path / "again", "--cache", cache)
+    assert again["encoded_this_run"] == 1 and again["cache_reused_this_run"] == 9
+
+
+def test_the_actors_run_the_backend_asked_for(local_ray, tmp_path, checkpoint, images):
+    out = tmp_path / "out"
+    local = run_export(*common(images, checkpoint), "--out", tmp_path / "local", "--attn", "eager")
+    summary = with_threads(export, ray_run(images, checkpoint, out, attn="eager"))
+    assert summary["encoded_this_run"] == local["encoded_this_run"] == 10
+    assert json.loads((out / "run.json").read_text())["compute"]["attention"] == "eager"
+    assert folder_bytes(out) == folder_bytes(tmp_path / "local")
+
+
+def test_gpu_actors_record_their_own_attention_backend(tmp_path, checkpoint, images, monkeypatch):
+    """On CUDA the backend is the actors' (flash-attn may be installed there and not on the
+    driver): ``run.json`` records what a GPU task resolved, and the actors are checked against it."""
+    asked = []
+
+    def on_a_gpu(run, requested):
+        asked.append(requested)
+        return "flash"
+
+    def stop(*args, **kwargs):
+        raise ExportError("no GPU here")
+
+    monkeypatch.setattr(ray_engine, "actors_attention", on_a_gpu)
+    monkeypatch.setattr(ray_engine, "ray_session", stop)
+    with pytest.raises(ExportError, match="no GPU here"):
+        with_threads(export, ray_run(images, checkpoint, tmp_path / "out", device="cuda"))
+    run = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert asked == ["auto"] and run["compute"]["attention"] == "flash" and run["compute"]["device_type"] == "cuda"
 
 
 def test_a_decoding_task_that_would_give_other_bytes_stops_the_run_with_its_reason(
     local_ray, tmp_path, checkpoint, images, monkeypatch
 ):
-    real = ray_engine.fingerprint
-    monkeypatch.setattr(ray_engine, "fingerprint", lambda device: {**real(device), "pillow": "0.0"})
+    real = moonvit.runs.host_facts
+    monkeypatch.setattr(moonvit.runs, "host_facts", lambda device: {**real(device), "pillow": "0.0"})
     with pytest.raises(ExportError, match=r"pillow: '0.0' on the driver, '[\d.]+' here"):
         with_threads(export, ray_run(images, checkpoint, tmp_path / "out"))
 

@@ -8,11 +8,14 @@ only), so that packs can be planned before any image is decoded;
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import threading
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,10 +26,12 @@ from PIL import ExifTags, Image
 __all__ = [
     "IMAGE_EXTENSIONS",
     "AlphaMode",
+    "ImageChangedError",
     "ImageInput",
     "ImageLoadError",
     "ImageTooLargeError",
     "ImageWarning",
+    "PinnedFile",
     "decompression_bombs_raised",
     "image_size",
     "image_sources",
@@ -93,6 +98,47 @@ class ImageLoadError(ValueError):
     tensor of the wrong dtype, shape or value range, and a Pillow mode with no RGB conversion or
     no known value range (the message names the mode). Catch it to skip bad inputs.
     """
+
+
+class ImageChangedError(ImageLoadError):
+    """A :class:`PinnedFile` no longer holds the bytes it was pinned to: the file was replaced
+    or changed after its content hash was taken."""
+
+
+@dataclass(frozen=True)
+class PinnedFile(os.PathLike[str]):
+    """An image file pinned to the content it had when hashed: a path (``os.fspath`` gives it, so
+    it goes wherever a path goes) with the SHA-256 of its bytes.
+
+    :func:`load_image` reads the file once, checks those bytes' hash and decodes those very bytes,
+    so what a program records or stores under the hash is the hashed content's, never a file
+    that replaced it in between (that is an :class:`ImageChangedError`). :func:`image_size` reads
+    the header as for any path; a processor's pixels are checked against the planned size anyway.
+    """
+
+    path: str
+    sha256: str
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def read_bytes(self) -> bytes:
+        """The file's bytes, read once and checked against :attr:`sha256`.
+
+        Raises:
+            ImageLoadError: the file cannot be read; :class:`ImageChangedError`: its bytes changed.
+        """
+        try:
+            data = Path(self.path).read_bytes()
+        except OSError as error:
+            raise ImageLoadError(f"cannot open image file {self.path!r}: {error}") from error
+        found = hashlib.sha256(data).hexdigest()
+        if found != self.sha256:
+            raise ImageChangedError(
+                f"image file {self.path!r} changed after it was planned (SHA-256 {found[:12]}..., "
+                f"planned {self.sha256[:12]}...); run again to take its new content"
+            )
+        return data
 
 
 class ImageWarning(UserWarning):
@@ -202,7 +248,8 @@ def load_image(
     """
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        with _open_file(path) as image:
+        data = source.read_bytes() if isinstance(source, PinnedFile) else None
+        with _open_file(path, data) as image:
             try:
                 return _decode(image, alpha_mode, background_color, repr(path))
             except (OSError, ValueError) as error:
@@ -228,8 +275,9 @@ def _unsupported(source: object) -> ImageLoadError:
     )
 
 
-def _open_file(path: str) -> Image.Image:
-    """Open ``path`` lazily (header only), refusing images over Pillow's pixel limit.
+def _open_file(path: str, data: bytes | None = None) -> Image.Image:
+    """Open ``path`` lazily (header only), or the file's ``data`` already read, refusing images
+    over Pillow's pixel limit.
 
     Pillow warns (``DecompressionBombWarning``) between one and two times its limit and raises
     above; both become the one :class:`ImageTooLargeError`, so no warning is printed on top (in a
@@ -238,7 +286,7 @@ def _open_file(path: str) -> Image.Image:
     """
     try:
         with decompression_bombs_raised():
-            image = Image.open(path)
+            image = Image.open(path if data is None else io.BytesIO(data))
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
         raise _too_large(path, str(error)) from None
     except OSError as error:  # missing, unreadable, or not an image (UnidentifiedImageError)

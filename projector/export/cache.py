@@ -9,11 +9,13 @@ Cache layout (``--cache DIR``)::
     DIR/<settings digest>/settings.json          the settings below, readable
     DIR/<settings digest>/<ab>/<sha256>.safetensors   one image's tokens (<ab>: the hash's first 2 hex)
 
-The settings digest is the SHA-256 of the canonical JSON of :func:`cache_settings`: the cache
-format, the weights' hash (encoder, and projector when projected tokens are stored, as
-``run.json`` records it), the processor's ``to_dict()``, the dtype, the stored kinds, the
-max patches per pack (an image over it is scaled down) and the compute description of
-``run.json`` (threads, torch version, device type, CPU kernel level). An entry holds one tensor
+The settings digest is the SHA-256 of the canonical JSON of :func:`cache_settings`: everything in
+``run.json`` that an image's tokens depend on: the cache format, the package's version, the
+weights' hash (encoder, and projector when projected tokens are stored), the encoder's and the
+projector's resolved configs, the processor's ``to_dict()``, the dtype, the stored kinds, the
+max patches per pack (an image over it is scaled down) and the compute description (threads,
+torch version, device type, CPU kernel level, the host's bf16 units and Pillow, the attention
+backend). An entry holds one tensor
 per stored kind and, as metadata, the settings digest, the content hash and the SHA-256 of its
 tensors' bytes; an entry whose metadata or bytes do not match is a miss (counted as corrupt),
 and is encoded again and rewritten. Entries are written atomically (temporary name, rename), so
@@ -35,7 +37,15 @@ from moonvit.files import save_safetensors_atomic, write_text_atomic
 
 from .plan import ExportItem
 
-__all__ = ["CACHE_FORMAT", "TokenCache", "cache_settings", "cacheable", "duplicate_sources", "tokens_sha256"]
+__all__ = [
+    "CACHE_FORMAT",
+    "TOKEN_SETTINGS",
+    "TokenCache",
+    "cache_settings",
+    "cacheable",
+    "duplicate_sources",
+    "tokens_sha256",
+]
 
 CACHE_FORMAT = "moonvit-export-cache/1"
 
@@ -61,23 +71,19 @@ def duplicate_sources(planned: Sequence[ExportItem]) -> dict[int, int]:
     return sources
 
 
-def cache_settings(
-    weights_sha256: str,
-    processor: Mapping[str, Any],
-    dtype: str,
-    store: Sequence[str],
-    max_patches_per_pack: int,
-    compute: Mapping[str, Any],
-) -> dict[str, Any]:
-    """What an image's tokens depend on besides its bytes: the key of a cache folder."""
+TOKEN_SETTINGS = ("moonvit_version", "models", "processor", "dtype", "store", "compute")
+"""The keys of ``run.json`` that an image's tokens depend on (beside the weights' hash and the
+pack budget); the rest (inputs, shard size, the checkpoint's path) only place them in a folder."""
+
+
+def cache_settings(run: Mapping[str, Any]) -> dict[str, Any]:
+    """What an image's tokens depend on besides its bytes, taken from the run's description
+    (``run.json``, :func:`.run.describe_run`): the key of a cache folder."""
     settings = {
         "format": CACHE_FORMAT,
-        "weights_sha256": weights_sha256,
-        "processor": dict(processor),
-        "dtype": dtype,
-        "store": list(store),
-        "max_patches_per_pack": max_patches_per_pack,
-        "compute": dict(compute),
+        "weights_sha256": run["checkpoint"]["sha256"],
+        "max_patches_per_pack": run["arguments"]["max_patches_per_pack"],
+        **{key: run[key] for key in TOKEN_SETTINGS},
     }
     return dict(json.loads(json.dumps(settings)))
 
@@ -111,20 +117,33 @@ class TokenCache:
     def load(self, sha256: str) -> dict[str, torch.Tensor] | None:
         """The stored tokens of the image with this content hash, or None (a miss: absent, or an
         entry that fails its checks, counted in :attr:`corrupt`)."""
+        entry = self._read(sha256, tensors=True)
+        return entry if entry is None else entry[1]
+
+    def has(self, sha256: str) -> bool:
+        """Whether a valid-looking entry for this content hash is there, from its header alone
+        (its settings, hash, kinds and lengths; the tensors' bytes are checked when :meth:`load`
+        reads them). Counted as :meth:`load` counts."""
+        return self._read(sha256, tensors=False) is not None
+
+    def _read(self, sha256: str, tensors: bool) -> tuple[dict[str, str], dict[str, torch.Tensor]] | None:
         path = self.path(sha256)
         if not path.is_file():
             self.misses += 1
             return None
+        loaded: dict[str, torch.Tensor] = {}
         try:
             with safe_open(path, framework="pt") as handle:
                 metadata = handle.metadata() or {}
-                tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+                lengths = {name: handle.get_slice(name).get_shape()[0] for name in handle.keys()}  # noqa: SIM118
+                if tensors:
+                    loaded = {name: handle.get_tensor(name) for name in lengths}
             valid = (
                 metadata.get("settings") == self.digest
                 and metadata.get("sha256") == sha256
-                and set(tensors) == set(self.kinds)
-                and len({len(t) for t in tensors.values()}) == 1
-                and metadata.get("tokens_sha256") == tokens_sha256(tensors)
+                and set(lengths) == set(self.kinds)
+                and len(set(lengths.values())) == 1
+                and (not tensors or metadata.get("tokens_sha256") == tokens_sha256(loaded))
             )
         except Exception:  # a truncated or garbled file: any error of the reader
             valid = False
@@ -133,7 +152,11 @@ class TokenCache:
             self.misses += 1
             return None
         self.hits += 1
-        return tensors
+        return metadata, loaded
+
+    def discard(self, sha256: str) -> None:
+        """Remove the entry of this content hash (one found damaged), so that it is encoded again."""
+        self.path(sha256).unlink(missing_ok=True)
 
     def save(self, sha256: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Store one image's tokens (each kind (n, ...)) atomically."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from moonvit import PackItem
 from moonvit.distributed import Ranks
 from moonvit.files import sha256_file
+from moonvit.media.image import PinnedFile
 from moonvit.media.packing import plan_pack_item, plan_video_items
 from moonvit.media.video import is_video
 
@@ -39,7 +41,11 @@ class ExportItem:
 
 def plan_input(index: int, image: InputImage, models: Models, budget: int) -> ExportItem:
     """Plan one input from its header alone (scaled down if alone it exceeds ``budget``), and
-    hash its content (which finds the copies of an image: :func:`.cache.duplicate_sources`)."""
+    hash its content (which finds the copies of an image: :func:`.cache.duplicate_sources`).
+
+    An image's item reads a :class:`~moonvit.media.image.PinnedFile`: its pixels are decoded
+    from the very bytes whose hash the manifest and the cache record (a file replaced after
+    planning fails with its reason instead of being stored under the old content's hash)."""
     try:
         if is_video(image.path):
             models.video_processor.check_tower(models.encoder.config.max_frames)
@@ -52,6 +58,8 @@ def plan_input(index: int, image: InputImage, models: Models, budget: int) -> Ex
         sha256 = sha256_file(image.path)
     except OSError as error:  # the file went away after its header was read
         return ExportItem(image, (), str(error))
+    if items[0].chunk is None:
+        items = (dataclasses.replace(items[0], source=PinnedFile(image.path, sha256)),)
     return ExportItem(image, items, None, sha256)
 
 

@@ -25,7 +25,9 @@ done; the same command redoes the others (as with the local engine).
 
 Without ``--ray-address`` a local Ray instance is started with the CPUs the tasks and actors take
 (an actor on CPU takes ``run.json``'s thread count) and stopped at the end; it is not started when
-no pack needs a forward. With ``--ray-address`` (``auto``, or ``host:port``) the export joins that
+no pack needs a forward. On CUDA a one-GPU task first resolves the attention backend where the
+actors run (:func:`actors_attention`: flash-attn may be installed there and not on the driver), and
+``run.json`` records that. With ``--ray-address`` (``auto``, or ``host:port``) the export joins that
 cluster, whose nodes must have this package installed. A process that already called ``ray.init``
 keeps its own connection. Ray is imported only here.
 """
@@ -53,15 +55,15 @@ from moonvit.encode import encode_processed, process_pack
 from moonvit.media.packing import Pack
 from moonvit.media.processor import MoonViTImageProcessor
 from moonvit.media.video import MoonViTVideoProcessor
-from moonvit.model.linear import cpu_has_bf16_arithmetic
+from moonvit.model.attention import resolve_attn_implementation
 from moonvit.ray_data import object_column
-from moonvit.runs import describe_differences, differences
+from moonvit.runs import compute_facts, describe_differences, differences
 
 from .models import load_models
 from .settings import ExportError, ExportRun
 from .shards import Key, ShardResult, ShardWork, finish_shard, stored_tensors
 
-__all__ = ["EncodePacks", "PackResult", "RayRun", "decode_pack", "encode_on_ray", "fingerprint", "ray_session"]
+__all__ = ["EncodePacks", "PackResult", "RayRun", "actors_attention", "decode_pack", "encode_on_ray", "ray_session"]
 
 DECODE_WORKER_BYTES = 384 * 2**20
 """A decoding worker's own memory: Python with torch and Pillow imported (about 240 MiB measured)."""
@@ -130,16 +132,28 @@ def ray_session(address: str | None, cpus: int, gpus: int = 0) -> Iterator[None]
             ray.shutdown()
 
 
-def fingerprint(device: torch.device) -> dict[str, Any]:
-    """What the bytes depend on beyond ``run.json``'s ``compute``, as this process sees it: the
-    CPU's bf16 matrix units (oneDNN picks its bf16 kernels by them) and Pillow, which decodes and
-    resizes. An actor or decoding task elsewhere compares its own with the driver's."""
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return {
-        "bf16_arithmetic": cpu_has_bf16_arithmetic() if device.type == "cpu" else None,
-        "amx": bool(amx()) if amx is not None and device.type == "cpu" else None,
-        "pillow": PIL.__version__,
-    }
+def actors_attention(run: ExportRun, requested: str) -> str:
+    """The attention backend an encoder actor on a GPU resolves ``requested`` to, asked of Ray in
+    one task on one GPU (a session of its own, like the pipeline's): what ``run.json`` records and
+    every actor is then checked against.
+
+    Raises:
+        ExportError: no GPU is there, or the backend cannot run on it (its reason).
+    """
+    import ray
+
+    with ray_session(run.ray_address, 1, 1):
+        task = ray.remote(num_gpus=1, num_cpus=1)(_resolve_attention)
+        try:
+            return str(ray.get(task.remote(requested, run.dtype)))
+        except ray.exceptions.RayError as error:
+            cause = _root_cause(error)
+            raise ExportError(f"an encoder actor's GPU cannot run attention {requested!r}: {cause}") from error
+
+
+def _resolve_attention(requested: str, dtype: str) -> str:
+    """On an actor: ``requested`` resolved on its GPU (``cuda:0``, as Ray gives it)."""
+    return resolve_attn_implementation(requested, torch.device("cuda", 0), torch_dtype(dtype))
 
 
 def _check_same(expected: Mapping[str, Any], here: Mapping[str, Any], what: str) -> None:
@@ -165,7 +179,8 @@ def decode_pack(
 class EncodePacks:
     """An encoder actor: the models loaded once, then one decoded pack per call.
 
-    Refuses to start when its weights, torch version or CPU kernel level are not those of the
+    Refuses to start when its weights or compute facts (torch version, CPU kernel level, bf16 units,
+    Pillow: :func:`moonvit.runs.compute_facts`) or attention backend are not those of the
     driver's ``run.json`` (``compute``), and runs torch with the thread count recorded there.
     Each call's output row carries the seconds the actor waited for that pack since its previous
     call returned (0 for its first: that wait is the pipeline filling, decoding workers starting
@@ -181,20 +196,14 @@ class EncodePacks:
         processor_overrides: Mapping[str, Any],
         compute: Mapping[str, Any],
         weights_sha256: str,
-        driver: Mapping[str, Any],
+        attn: str = "auto",
     ) -> None:
         torch.set_num_threads(compute["threads"])
         target = torch.device(device)
         if target.type == "cuda":  # Ray gives each actor its GPUs as cuda:0 ..
             target = torch.device("cuda", 0)
-        here = {
-            "torch": torch.__version__,
-            "device_type": target.type,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability() if target.type == "cpu" else None,
-        }
-        _check_same(compute, here, "an encoder actor")
-        _check_same(driver, fingerprint(target), "an encoder actor")
-        self.models = load_models(checkpoint, store, torch_dtype(dtype), target, dict(processor_overrides))
+        _check_same(compute, compute_facts(target), "an encoder actor")
+        self.models = load_models(checkpoint, store, torch_dtype(dtype), target, dict(processor_overrides), attn)
         _check_same(compute, {"attention": self.models.attention(target)}, "an encoder actor")
         if self.models.checkpoint_sha256 != weights_sha256:
             raise ExportError(f"--checkpoint {checkpoint} holds other weights on {platform.node()} than the driver's")
@@ -252,7 +261,7 @@ def encode_on_ray(
     started when no shard needs one.
 
     ``models_source`` holds what an actor needs to load the models as the driver did
-    (``checkpoint``, ``processor_overrides``, ``compute``, ``fingerprint``, ``weights_sha256``,
+    (``checkpoint``, ``processor_overrides``, ``compute``, ``weights_sha256``,
     ``processor``, ``video_processor``). ``on_pack`` is called with the number of packs back so
     far after each (a hook for progress displays and fault drills).
     """
@@ -294,7 +303,7 @@ def _pipeline(
         decode_pack,
         processor=source["processor"],
         video_processor=source["video_processor"],
-        pillow=source["fingerprint"]["pillow"],
+        pillow=source["compute"]["host"]["pillow"],
     )
     decoded = ray.data.from_items(rows, override_num_blocks=len(rows)).map(
         decode,
@@ -314,7 +323,7 @@ def _pipeline(
             "processor_overrides": source["processor_overrides"],
             "compute": source["compute"],
             "weights_sha256": source["weights_sha256"],
-            "driver": source["fingerprint"],
+            "attn": run.attn,
         },
         batch_size=1,
         compute=ray.data.ActorPoolStrategy(size=run.encoder_actors),

@@ -17,7 +17,7 @@ import moonvit
 from moonvit.cli import apply_threads, torch_dtype
 from moonvit.distributed import Ranks, close_ranks, init_ranks
 from moonvit.files import write_text_atomic
-from moonvit.runs import describe_differences, differences
+from moonvit.runs import compute_facts, describe_differences, differences
 from moonvit.weights.hub import source_label
 
 from ..token_folder import FAILURES_FILE, FORMAT, RUN_FILE
@@ -34,8 +34,10 @@ __all__ = ["Progress", "claim_output", "describe_run", "export", "export_on_ray"
 def describe_run(run: ExportRun, models: Models, images: Sequence[InputImage], device: torch.device) -> dict[str, Any]:
     """The content of ``run.json``: everything that determines the output folder's bytes.
 
-    ``compute`` holds what the numbers depend on beyond the arguments: the threads per process
-    in effect, torch's version, the device type and, on CPU, the kernel level torch dispatches to.
+    ``models`` holds the encoder's and the projector's resolved configs (the weights' hash alone
+    does not tell a head count or a norm's eps). ``compute`` holds what the numbers depend on
+    beyond the arguments (:func:`moonvit.runs.compute_facts`: threads, torch, device type, CPU
+    kernel level, the host's bf16 units and Pillow) and the attention backend the encoder runs.
     The number of ranks is not there: it does not change the output. Made of JSON types only
     (lists, not tuples), so it compares equal to the file read back.
     """
@@ -43,6 +45,10 @@ def describe_run(run: ExportRun, models: Models, images: Sequence[InputImage], d
         "format": FORMAT,
         "moonvit_version": moonvit.__version__,
         "checkpoint": {"path": source_label(run.checkpoint), "sha256": models.checkpoint_sha256},
+        "models": {
+            "encoder": models.encoder.config.to_dict(),
+            "projector": None if models.projector is None else models.projector.config.to_dict(),
+        },
         "processor": models.processor.to_dict(),
         "video_processor": models.video_processor.to_dict(),
         "store": list(run.kinds),
@@ -56,16 +62,21 @@ def describe_run(run: ExportRun, models: Models, images: Sequence[InputImage], d
             "device": run.device,
             "threads": run.threads,
             "side_limit_mode": run.side_limit_mode,
+            "attn": run.attn,
         },
-        "compute": {
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "device_type": device.type,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else None,
-            "attention": models.attention(device),
-        },
+        "compute": {**compute_facts(device), "attention": _attention(run, models, device)},
     }
     return json.loads(json.dumps(description))
+
+
+def _attention(run: ExportRun, models: Models, device: torch.device) -> str:
+    """The attention backend the encoder runs: resolved here, or, for Ray's GPU actors, by one of
+    them (``auto`` takes flash-attn where it is installed, which the driver's host need not be)."""
+    if run.engine == "ray" and device.type == "cuda":
+        from .ray_engine import actors_attention
+
+        return actors_attention(run, models.encoder.config.attn_implementation)
+    return models.attention(device)
 
 
 def claim_output(out: Path, run: dict[str, Any]) -> None:
@@ -185,7 +196,7 @@ def export_on_ray(
 ) -> Progress:
     """:func:`export_rank` on Ray (:mod:`.ray_engine`): the shards with no part file yet, their
     packs encoded by ``run.encoder_actors`` actors; ``on_pack`` as :func:`.ray_engine.encode_on_ray`."""
-    from .ray_engine import encode_on_ray, fingerprint
+    from .ray_engine import encode_on_ray
 
     pending = [k for k in shards if not part_path(run.out, k).is_file()]
     # every shard is planned before any pack is encoded: cache hits are checked, not held
@@ -196,7 +207,6 @@ def export_on_ray(
         "checkpoint": str(checkpoint.resolve()) if checkpoint.is_dir() else str(run.checkpoint),
         "processor_overrides": _processor_overrides(run),
         "compute": description["compute"],
-        "fingerprint": fingerprint(torch.device(run.device)),
         "weights_sha256": models.checkpoint_sha256,
         "processor": models.processor,
         "video_processor": models.video_processor,
@@ -238,7 +248,7 @@ def _export(
     images = inputs.images
     # on Ray the driver plans and writes, the actors encode: its own copy stays on the CPU
     here = torch.device("cpu") if run.engine == "ray" else device
-    models = load_models(run.checkpoint, run.kinds, torch_dtype(run.dtype), here, _processor_overrides(run))
+    models = load_models(run.checkpoint, run.kinds, torch_dtype(run.dtype), here, _processor_overrides(run), run.attn)
     smallest = models.encoder.config.tokens_per_merge
     if run.max_patches_per_pack < smallest:
         raise ExportError(f"--max-patches-per-pack {run.max_patches_per_pack} is below one merged token ({smallest})")
@@ -259,17 +269,7 @@ def _export(
     mine = split_balanced(costs, ranks.world_size)[ranks.rank]
     sources = duplicate_sources(planned)  # the same plan on every rank: made from the whole listing
     duplicates = {i: images[first].id for i, first in sources.items()}
-    cache = None
-    if run.cache is not None:
-        settings = cache_settings(
-            models.checkpoint_sha256,
-            description["processor"],
-            run.dtype,
-            run.kinds,
-            run.max_patches_per_pack,
-            description["compute"],
-        )
-        cache = TokenCache(run.cache, settings)
+    cache = None if run.cache is None else TokenCache(run.cache, cache_settings(description))
     if run.engine == "ray":
         progress = export_on_ray(mine, layout, planned, models, run, description, duplicates, cache, on_pack)
     else:

@@ -103,8 +103,8 @@ class ShardWork:
     encoded: int = 0
     data_s: float = 0.0
     cache_hits: dict[Key, str] = field(default_factory=dict)
-    """Items whose cache entry was checked but not kept in memory (``shard_work(..., keep=False)``):
-    key -> content hash, read again when the shard is written."""
+    """Items whose cache entry was found but not read (``shard_work(..., keep=False)``): key ->
+    content hash, read when the shard is written."""
     packs_done: list[tuple[float, int]] = field(default_factory=list)
     """(``time.perf_counter()`` when a pack's result came in, its items), in arrival order."""
 
@@ -131,8 +131,9 @@ def shard_work(
 
     ``duplicates`` maps the input position of a later copy of an image to the first copy's id
     (:func:`.cache.duplicate_sources`): it is not encoded. With ``cache`` an image's tokens are
-    read from it when there; with ``keep=False`` a valid entry is only noted, and read again by
-    :func:`finish_shard` (an engine that plans every shard before encoding any holds no tokens)."""
+    read from it when there; with ``keep=False`` an entry is only checked from its header and
+    noted, and read (its bytes checked) by :func:`finish_shard`: an engine that plans every
+    shard before encoding any holds no tokens, and reads each entry once."""
     duplicates = duplicates or {}
     work = ShardWork(index, planned, [])
     for entry in planned:
@@ -140,12 +141,13 @@ def shard_work(
             continue
         if cache is not None and cacheable(entry):
             assert entry.sha256 is not None
-            hit = cache.load(entry.sha256)
-            if hit is not None:
-                if keep:
+            if keep:
+                hit = cache.load(entry.sha256)
+                if hit is not None:
                     work.tensors[entry.items[0].key] = hit
-                else:
-                    work.cache_hits[entry.items[0].key] = entry.sha256
+            elif cache.has(entry.sha256):
+                work.cache_hits[entry.items[0].key] = entry.sha256
+            if entry.items[0].key in work.tensors or entry.items[0].key in work.cache_hits:
                 work.cached += 1
                 continue
         work.to_encode.append(entry)
@@ -193,11 +195,15 @@ def finish_shard(
     """Write a shard whose every pack has come back: the images encoded here go to ``cache``,
     the tokens to ``shard-k.safetensors`` and the lines to its part file, each atomically."""
     duplicates = duplicates or {}
-    for key, sha256 in work.cache_hits.items():  # checked when planned, read now
+    for key, sha256 in work.cache_hits.items():  # found when planned, read now
         assert cache is not None
         hit = cache.load(sha256)
-        if hit is None:
-            raise ExportError(f"the cache entry of {sha256} in {cache.folder} changed during the run; run again")
+        if hit is None:  # damaged inside (its header was fine) or changed since: encoded by the next run
+            cache.discard(sha256)
+            raise ExportError(
+                f"the cache entry of {sha256} in {cache.folder} is damaged or changed during the run; "
+                "it was removed: run again to encode it"
+            )
         work.tensors[key] = hit
     if cache is not None:
         for entry in work.to_encode:
