@@ -14,3 +14,6 @@ Modules, one idea each:
     report: results.json, the confusion-matrix PNG, the markdown table and the CSV of runs.
     linear_probe: the command line (parser, main, run).
 """
+
+# first, before torch loads: the commands' OpenMP wait policy (see moonvit.environment)
+import moonvit  # noqa: F401

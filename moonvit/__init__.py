@@ -9,6 +9,8 @@ Layout, by role:
     moonvit.cli      the shared command-line vocabulary
 """
 
+# first, before torch loads: the commands' OpenMP wait policy (see moonvit.environment)
+from . import environment  # noqa: F401
 from .encode import (
     EncodedImage,
     EncodedImages,
@@ -27,6 +29,7 @@ from .model.config import PRESETS, MoonViTConfig, preset_config
 from .model.encoder import MoonViT, MoonViTOutput
 from .model.grid import PackedGrid, build_packed_grid, tokens_per_image
 from .model.interface import VisionEncoder
+from .model.lora import LoRAConfig, apply_lora, merge_lora
 from .model.projector import MoonViTProjector, ProjectorConfig
 from .weights.storage import CheckpointError
 
@@ -45,6 +48,7 @@ __all__ = [
     "ImagePlan",
     "ImageSizeError",
     "ImageTooLargeError",
+    "LoRAConfig",
     "MoonViT",
     "MoonViTConfig",
     "MoonViTImageProcessor",
@@ -60,12 +64,14 @@ __all__ = [
     "VideoLoadError",
     "VideoNotSupportedError",
     "VisionEncoder",
+    "apply_lora",
     "build_packed_grid",
     "encode_images",
     "encode_pack",
     "image_size",
     "iter_encode_images",
     "load_image",
+    "merge_lora",
     "pack_images",
     "patchify",
     "pool_features",

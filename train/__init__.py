@@ -17,3 +17,6 @@ Modules, one idea each:
     log         the per-step JSONL log and the curves PNG
     loop        the run: resume, step count (--minutes calibration), the loop, export, test, probe
 """
+
+# first, before torch loads: the commands' OpenMP wait policy (see moonvit.environment)
+import moonvit  # noqa: F401
