@@ -84,3 +84,18 @@ def test_written_files_follow_the_umask(tmp_path, umask, mask):
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
     assert modes == {"tokens.safetensors": expected, "run.json": expected, "state.pt": expected}
     assert torch.equal(load_file(tmp_path / "tokens.safetensors")["x"], torch.arange(4))
+
+
+def test_an_export_and_a_saved_checkpoint_are_readable_by_others(tmp_path, umask):
+    """Token shards on shared storage and checkpoint folders: every file 0644 under umask 022."""
+    from helpers import make_checkpoint, run_export, write_images
+
+    umask(0o022)
+    checkpoint = make_checkpoint(tmp_path / "ckpt")
+    write_images(tmp_path / "images", 3)
+    run_export("--inputs", tmp_path / "images", "--checkpoint", checkpoint, "--out", tmp_path / "out")
+    files = [p for folder in ("ckpt", "out") for p in (tmp_path / folder).rglob("*") if p.is_file()]
+    assert {p.suffix for p in files} >= {".safetensors", ".json", ".jsonl"}
+    assert {p.relative_to(tmp_path).as_posix(): oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {
+        p.relative_to(tmp_path).as_posix(): oct(0o644) for p in files
+    }
