@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -261,6 +262,50 @@ def test_cuda_actors_on_a_machine_without_gpus_are_refused(tmp_path, checkpoint,
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr[-2000:]
     assert "--encoder-actors 1 on CUDA needs 1 GPUs; this machine's Ray sees 0" in done.stderr
+
+
+RECORD = b"[2026-01-02 03:04:05,678 E 4242 4242] core_worker.cc:2465: Actor with class name: 'X' ...\n"
+
+
+def test_ray_s_records_are_left_out_of_stderr_and_the_rest_passes_as_it_comes():
+    """A record of Ray's C++ core goes, wherever the stream is cut and after a partial bar line;
+    a bar's own brackets pass at once, a fatal record and anything else pass."""
+    bar = b"\rexport:  50%|#####     | 3/6 [00:11<00:11,  3.89s/img]"
+    stream = b"\rexport:   0%|          | 0/6 [00:00<?, ?img/s]" + RECORD + bar + b"\nWARNING a warning of ours\n"
+    for size in (1, 7, 64, len(stream)):
+        records = ray_engine.RayRecordFilter()
+        passed = b"".join(records.feed(stream[i : i + size]) for i in range(0, len(stream), size))
+        assert passed + records.flush() == stream.replace(RECORD, b"")
+    records = ray_engine.RayRecordFilter()
+    assert records.feed(bar) == bar
+    fatal = b"[2026-01-02 03:04:05,678 F 4242 4242] logging.cc:1: this process ends\n"
+    assert records.feed(fatal) == fatal
+
+
+def test_stderr_keeps_everything_but_ray_s_records(capfd):
+    """On the descriptor itself, where Ray's core and Python's stderr both write."""
+    with ray_engine.without_ray_records():
+        os.write(2, b"before " + RECORD)
+        os.write(2, b"WARNING a warning of ours\n")
+    os.write(2, b"after\n")
+    assert capfd.readouterr().err == "before WARNING a warning of ours\nafter\n"
+
+
+@pytest.mark.slow
+def test_a_ray_export_s_stderr_holds_its_bar_only(tmp_path, checkpoint):
+    """Ray's start notice and its core worker's records (Ray Data gives its actors their
+    arguments in the object store) stay off the export's stderr."""
+    write_images(tmp_path / "images", 3, seed=5)
+    command = [sys.executable, "-m", "projector.export", "--inputs", str(tmp_path / "images")]
+    command += ["--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"), "--engine", "ray", "--threads", "1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("RAY_AUTH_MODE", None)  # the notice is Ray's on a start with the mode unset
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("exported 3 images, 0 failed")
+    lines = [line.strip() for line in done.stderr.replace("\r", "\n").splitlines() if line.strip()]
+    bar = re.compile(r"export: +\d+%\|[^|]*\| \d+/3 \[[^\]]*\]")  # a bar update and nothing after it
+    assert lines and all(bar.fullmatch(line) for line in lines), done.stderr
 
 
 @pytest.mark.parametrize(

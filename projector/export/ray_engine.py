@@ -35,10 +35,15 @@ keeps its own connection. Ray is imported only here.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
+import os
 import pickle
 import platform
+import re
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -73,20 +78,50 @@ PackResult = tuple[dict[Key, dict[str, torch.Tensor]], dict[Key, str]]
 in the export dtype) and the reasons of the items that could not be decoded."""
 
 
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+"""The logger of the notice that a new local Ray enables token authentication (and of the token's
+creation): a line on every start of the export's own instance, not a thing to act on."""
+
+RAY_DATA_LOGGERS = {"ray.data": logging.WARNING, "ray.data._internal.progress": logging.ERROR}
+"""Ray Data's loggers, quieted while the export's pipeline runs: not a line per pipeline start and
+end, nor the notice that Ray's own bars are off (its warnings and errors still show)."""
+
+
 @contextmanager
 def ray_session(address: str | None, cpus: int, gpus: int = 0) -> Iterator[None]:
     """Ray for the export: the caller's connection when there is one, else ``address``'s
     cluster, else a local instance of ``cpus`` CPUs (never a cluster that happens to run on this
     machine), stopped on the way out. A local instance with fewer GPUs than ``gpus`` is refused
     (its actors would wait for them for ever); a caller's or a cluster's with fewer CPUs or GPUs
-    than the pipeline takes is warned about (a cluster may grow to them)."""
+    than the pipeline takes is warned about (a cluster may grow to them).
+
+    A local instance starts without Ray's token-authentication notice, and while it runs the
+    records its C++ core writes to this process's stderr are left out there
+    (:func:`without_ray_records`; the session's log folder keeps them)."""
     try:
         import ray
     except ImportError as error:
         raise ExportError("--engine ray needs Ray: pip install 'moonvit[ray]' (ray[data])") from error
     started = not ray.is_initialized()
     if started:
+        _start_ray(ray, address, cpus)
+    local = started and address is None
+    with without_ray_records() if local else contextlib.nullcontext():
         try:
+            _check_resources(ray, local, cpus, gpus)
+            with _pipeline_settings(ray), logger_levels(RAY_DATA_LOGGERS):
+                yield
+        finally:
+            if started:
+                ray.shutdown()
+
+
+def _start_ray(ray: Any, address: str | None, cpus: int) -> None:
+    """``ray.init`` for the export: a local instance of ``cpus`` CPUs (its start's token notice
+    left out) when ``address`` is None, else that cluster."""
+    quiet = {RAY_AUTH_LOGGER: logging.ERROR} if address is None else {}
+    try:
+        with logger_levels(quiet):
             ray.init(
                 address="local" if address is None else address,
                 num_cpus=cpus if address is None else None,
@@ -94,42 +129,158 @@ def ray_session(address: str | None, cpus: int, gpus: int = 0) -> Iterator[None]
                 log_to_driver=False,
                 configure_logging=False,
             )
-        except (ConnectionError, RuntimeError, ValueError) as error:
-            raise ExportError(f"--ray-address {address}: cannot join a Ray cluster there ({error})") from error
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        raise ExportError(f"--ray-address {address}: cannot join a Ray cluster there ({error})") from error
+
+
+def _check_resources(ray: Any, local: bool, cpus: int, gpus: int) -> None:
+    """Refuse a local instance without ``gpus`` GPUs; warn where Ray has fewer CPUs or GPUs than
+    the pipeline takes (a cluster may grow to them; until then the pipeline waits)."""
+    have = ray.cluster_resources()
+    if local and have.get("GPU", 0) < gpus:
+        found = int(have.get("GPU", 0))
+        raise ExportError(f"--encoder-actors {gpus} on CUDA needs {gpus} GPUs; this machine's Ray sees {found}")
+    short = [
+        f"{need} {kind} ({have.get(kind, 0):g} now)"
+        for kind, need in (("CPU", cpus), ("GPU", gpus))
+        if have.get(kind, 0) < need
+    ]
+    if short:
+        logging.getLogger("moonvit").warning(
+            "the export's Ray pipeline needs %s: it waits until Ray has them", ", ".join(short)
+        )
+
+
+@contextmanager
+def _pipeline_settings(ray: Any) -> Iterator[None]:
+    """Ray Data's context for the export, restored on the way out: no progress bars of Ray's own
+    (the export has its bar) and a failure's own exception, not Ray's wrapper around it."""
+    context = ray.data.DataContext.get_current()
+    settings = {"enable_progress_bars": False, "raise_original_map_exception": True}
+    before = {name: getattr(context, name) for name in settings}
+    for name, value in settings.items():
+        setattr(context, name, value)
     try:
-        have = ray.cluster_resources()
-        if started and address is None and have.get("GPU", 0) < gpus:
-            found = int(have.get("GPU", 0))
-            raise ExportError(f"--encoder-actors {gpus} on CUDA needs {gpus} GPUs; this machine's Ray sees {found}")
-        short = [
-            f"{need} {kind} ({have.get(kind, 0):g} now)"
-            for kind, need in (("CPU", cpus), ("GPU", gpus))
-            if have.get(kind, 0) < need
-        ]
-        if short:  # a cluster may grow to it; until then the pipeline waits
-            logging.getLogger("moonvit").warning(
-                "the export's Ray pipeline needs %s: it waits until Ray has them", ", ".join(short)
-            )
-        context = ray.data.DataContext.get_current()
-        settings = {"enable_progress_bars": False, "raise_original_map_exception": True}  # the export's own bar;
-        before = {name: getattr(context, name) for name in settings}  # a failure's own cause, not Ray's wrapper
-        for name, value in settings.items():
-            setattr(context, name, value)
-        # not a line per pipeline start and end, nor the notice that Ray's own bars are off
-        quiet = {"ray.data": logging.WARNING, "ray.data._internal.progress": logging.ERROR}
-        levels = {name: logging.getLogger(name).level for name in quiet}
-        for name, level in quiet.items():
-            logging.getLogger(name).setLevel(level)
-        try:
-            yield
-        finally:
-            for name, value in before.items():
-                setattr(context, name, value)
-            for name, level in levels.items():
-                logging.getLogger(name).setLevel(level)
+        yield
     finally:
-        if started:
-            ray.shutdown()
+        for name, value in before.items():
+            setattr(context, name, value)
+
+
+@contextmanager
+def logger_levels(levels: Mapping[str, int]) -> Iterator[None]:
+    """The named loggers at the given levels, their own levels restored on the way out."""
+    before = {name: logging.getLogger(name).level for name in levels}
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+    try:
+        yield
+    finally:
+        for name, level in before.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def _record_tokens() -> list[str]:
+    """The pieces (regular expressions) of a record Ray's C++ core logs below the fatal level,
+    ``[2024-05-01 12:00:00,123 E 4242 4242] core_worker.cc:2465: ...``, in order."""
+    stamp = [r"\d" if char == "0" else re.escape(char) for char in "0000-00-00 00:00:00,000"]
+    return [r"\[", *stamp, " ", "[DIWE]", " ", r"\d+", " ", r"\d+", r"\]", " ", r"[^\n]*"]
+
+
+def _prefixes(tokens: Sequence[str]) -> re.Pattern[bytes]:
+    """A pattern whose full matches are the prefixes of the sequence ``tokens``, empty included."""
+    pattern = ""
+    for token in reversed(tokens):
+        pattern = f"(?:{token}{pattern})?"
+    return re.compile(pattern.encode())
+
+
+RAY_RECORD = re.compile(("".join(_record_tokens()) + r"\n").encode())
+"""One whole record of Ray's C++ core (debug to error), its line end included."""
+RAY_RECORD_START = _prefixes(_record_tokens())
+"""A text that may still become a record of Ray's C++ core as more of the stream comes."""
+HELD_AT_MOST = 1 << 20
+"""Bytes held back as a possible record's start before they are passed on anyway."""
+
+
+class RayRecordFilter:
+    """A byte stream with the records of Ray's C++ core left out and everything else passed on as
+    it comes: only a tail that may still become such a record is held back, until the next data
+    tells (a record can start after a partial line, such as a progress bar's)."""
+
+    def __init__(self) -> None:
+        self.held = b""
+
+    def feed(self, data: bytes) -> bytes:
+        """What of ``data`` (after what was held) to pass on now."""
+        text = RAY_RECORD.sub(b"", self.held + data)
+        start = self._record_start(text)
+        self.held = text[start:]
+        return text[:start]
+
+    def flush(self) -> bytes:
+        """The held tail, at the stream's end: it did not become a record."""
+        rest, self.held = self.held, b""
+        return rest
+
+    @staticmethod
+    def _record_start(text: bytes) -> int:
+        """Where the tail of ``text`` that may still become a record begins (its length if none)."""
+        line = text.rfind(b"\n") + 1
+        start = text.find(b"[", line)
+        while start != -1 and len(text) - start <= HELD_AT_MOST:
+            if RAY_RECORD_START.fullmatch(text, start):
+                return start
+            start = text.find(b"[", start + 1)
+        return len(text)
+
+
+@contextmanager
+def without_ray_records() -> Iterator[None]:
+    """This process's stderr (file descriptor 2) passed on through a :class:`RayRecordFilter`.
+
+    Ray's C++ core writes its records to descriptor 2 directly, where Python's stderr writes too,
+    so a filter on that descriptor is the one way to leave out such a record and keep everything
+    else: the progress bar, warnings, a failure's traceback. A core worker's records are in the
+    session's log folder as well (``python-core-driver-*.log``); a fatal one is passed on."""
+    sys.stderr.flush()
+    try:
+        terminal = os.dup(2)
+    except OSError:  # no stderr to filter
+        yield
+        return
+    source, sink = os.pipe()
+    os.dup2(sink, 2)
+    os.close(sink)
+    thread = threading.Thread(target=_pass_on, args=(source, terminal), name="ray-stderr", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(terminal, 2)  # the pipe's last writer closed: the thread passes on the rest and ends
+        thread.join(timeout=10)
+
+
+def _pass_on(source: int, target: int) -> None:
+    """Copy descriptor ``source`` to ``target`` until its end, Ray's records left out; both closed after."""
+    records = RayRecordFilter()
+    try:
+        while chunk := os.read(source, 1 << 16):
+            _write_all(target, records.feed(chunk))
+        _write_all(target, records.flush())
+    except OSError:  # stderr itself went away: nothing left to show it on
+        pass
+    finally:
+        os.close(source)
+        os.close(target)
+
+
+def _write_all(target: int, data: bytes) -> None:
+    """All of ``data`` to descriptor ``target`` (a write may take only part of it)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(target, view) :]
 
 
 def actors_attention(run: ExportRun, requested: str) -> str:
