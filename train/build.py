@@ -1,5 +1,5 @@
-"""Building a run from its config: the encoder (and the processor it expects), the plan of packs and
-the step count of an ``--epochs`` run."""
+"""Building a run from its config: the encoder (and the processor it expects) with what of it trains,
+the plan of packs and the step count of an ``--epochs`` run."""
 
 from __future__ import annotations
 
@@ -11,13 +11,15 @@ import torch
 
 from moonvit import CheckpointError, MoonViT, MoonViTConfig, MoonViTImageProcessor, preset_config, preset_processors
 from moonvit.distributed import Ranks
+from moonvit.model.blocks import Block
+from moonvit.model.lora import LoRAConfig, apply_lora
 
 from .batch import ImageSource
-from .config import TrainConfig
+from .config import ModelSection, TrainConfig
 from .data import TrainingData
 from .plan import ImageStream, Packer, Resolution, default_lookahead
 
-__all__ = ["RunPlan", "TrainError", "build_encoder", "build_plan", "describe", "steps_for_epochs"]
+__all__ = ["RunPlan", "TrainError", "build_encoder", "build_plan", "describe", "select_trainable", "steps_for_epochs"]
 
 
 class TrainError(RuntimeError):
@@ -30,11 +32,12 @@ def describe(config: MoonViTConfig) -> str:
 
 
 def build_encoder(config: TrainConfig) -> tuple[MoonViT, MoonViTImageProcessor]:
-    """The encoder to train (fp32 weights, in train mode, gradient checkpointing as asked) and the
-    processor whose normalisation it expects.
+    """The encoder to train (fp32 weights, in train mode, gradient checkpointing as asked, frozen or
+    wrapped in LoRA adapters as asked: :func:`select_trainable`) and the processor whose normalisation
+    it expects.
 
-    A preset is initialised from ``--seed``; so is, with a ``--checkpoint``, whatever the objective
-    adds next (its head or decoder), since the seed is set last here either way.
+    A preset is initialised from ``--seed``; so is, with a ``--checkpoint``, whatever is drawn next
+    (LoRA's A matrices, the objective's head or decoder), since the seed is set last here either way.
     """
     if config.model.checkpoint is not None:
         try:
@@ -67,7 +70,48 @@ def build_encoder(config: TrainConfig) -> tuple[MoonViT, MoonViTImageProcessor]:
         encoder, processor = MoonViT(model_config), preset_processors(config.model.preset).image  # its family's rule
     if config.model.grad_checkpointing:
         encoder.gradient_checkpointing_enable()
+    select_trainable(encoder, config.model)
     return encoder.train(), processor
+
+
+def select_trainable(encoder: MoonViT, model: ModelSection) -> None:
+    """Freeze what ``--freeze`` / ``--freeze-blocks`` name, or wrap the ``--lora-targets`` linears in
+    LoRA adapters (every other weight of the tower frozen), in place.
+
+    A frozen weight has ``requires_grad`` False: the optimizer never holds it (so weight decay cannot
+    move it), DDP leaves it out of its reduction, and autograd records nothing on it. Since the
+    input pixels need no gradient either, a frozen part of the tower builds no graph and keeps no
+    activations, as under ``no_grad``, up to the first block that trains (with ``--freeze tower``:
+    the objective's head). Frozen blocks also lose their stochastic depth: they are a fixed feature
+    extractor, which computes in training what it computes at inference.
+    """
+    blocks = encoder.encoder.blocks
+    if model.lora_rank is not None:
+        assert model.lora_targets is not None
+        lora = LoRAConfig(model.lora_rank, model.lora_alpha, model.lora_dropout or 0.0, model.lora_targets)
+        try:
+            apply_lora(encoder, lora)
+        except ValueError as error:
+            raise TrainError(f"--lora-targets {','.join(model.lora_targets)}: {error}") from error
+        return
+    if model.freeze == "tower":
+        encoder.requires_grad_(False)
+        frozen_blocks = len(blocks)
+    elif model.freeze_blocks is not None:
+        frozen_blocks = model.freeze_blocks
+        if frozen_blocks > len(blocks):
+            raise TrainError(
+                f"--freeze-blocks {frozen_blocks}: the tower has {len(blocks)} blocks "
+                "(--freeze tower freezes all of it, the final norm too)"
+            )
+        encoder.patch_embed.requires_grad_(False)
+        for block in blocks[:frozen_blocks]:
+            block.requires_grad_(False)
+    else:
+        return
+    for block in blocks[:frozen_blocks]:
+        assert isinstance(block, Block)
+        block.drop_path = 0.0
 
 
 @dataclasses.dataclass

@@ -38,6 +38,7 @@ from moonvit.cli import (
     typed_run,
 )
 from moonvit.model.attention import AttentionUnavailableError, resolve_attn_implementation
+from moonvit.model.lora import LORA_TARGETS
 
 from .augment import AugmentConfig
 from .objectives import OBJECTIVES
@@ -93,7 +94,10 @@ class RunSection:
 
 @dataclass(frozen=True)
 class ModelSection:
-    """The encoder: a ``preset`` (its shape overridable) or a ``checkpoint``."""
+    """The encoder: a ``preset`` (its shape overridable) or a ``checkpoint``, and what of it trains:
+    all of it, none (``freeze="tower"``), all but the embeddings and the first ``freeze_blocks``
+    blocks, or LoRA adapters of rank ``lora_rank`` on its ``lora_targets`` linears (the LoRA
+    settings are all None without ``lora_rank``)."""
 
     preset: str | None = None
     checkpoint: str | None = None
@@ -104,6 +108,12 @@ class ModelSection:
     pos_emb_size: int | None = None
     drop_path: float = 0.05
     grad_checkpointing: bool = False
+    freeze: str | None = None
+    freeze_blocks: int | None = None
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    lora_dropout: float | None = None
+    lora_targets: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -206,6 +216,14 @@ def token_drop(text: str) -> TokenDrop:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def lora_targets(text: str) -> tuple[str, ...]:
+    """``wqkv,wo``: the names of the blocks' linears LoRA adapts (checked against the tower when it is built)."""
+    names = tuple(name.strip() for name in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"give comma-separated linear names such as {','.join(LORA_TARGETS)}")
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m train",
@@ -258,6 +276,40 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="recompute each block's activations in backward instead of keeping them (less memory, about a "
         "third more compute; see benchmarks/bench_train.py)",
+    )
+
+    tune = parser.add_argument_group("fine-tuning: what of the tower trains (default: all of it)")
+    frozen = tune.add_mutually_exclusive_group()
+    frozen.add_argument(
+        "--freeze",
+        choices=("tower",),
+        help="train none of the tower's weights, only the objective's own modules (a classifier head, a decoder); "
+        "the tower builds no autograd graph and runs without stochastic depth",
+    )
+    frozen.add_argument(
+        "--freeze-blocks",
+        type=non_negative_int,
+        metavar="N",
+        help="freeze the patch embedding, the position table and the first N blocks (no stochastic depth there); "
+        "the later blocks, the final norm and the objective's modules train",
+    )
+    tune.add_argument(
+        "--lora-rank",
+        type=positive_int,
+        metavar="R",
+        help="train LoRA adapters of rank R on the blocks' linears (--lora-targets), the tower's own weights "
+        "frozen; the saved checkpoint is the tower with the adapters merged in, the adapter alone in <out>/adapter",
+    )
+    tune.add_argument("--lora-alpha", type=positive_float, help="with --lora-rank: scale alpha / R (default: R)")
+    tune.add_argument(
+        "--lora-dropout", type=drop_rate, help="with --lora-rank: dropout on the adapters' input (default: 0)"
+    )
+    tune.add_argument(
+        "--lora-targets",
+        type=lora_targets,
+        metavar="NAMES",
+        help="with --lora-rank: comma-separated linears of each block to adapt: wqkv (attention's q, k, v), wo "
+        f"(its output), fc0 and fc1 (the MLP's) (default: {','.join(LORA_TARGETS)})",
     )
 
     data = parser.add_argument_group("data")
@@ -423,6 +475,13 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         parser.error(
             "--depth / --width / --heads / --mlp-width / --pos-emb-size shape a --preset; a --checkpoint has its own"
         )
+    lora_settings = {"alpha": args.lora_alpha, "dropout": args.lora_dropout, "targets": args.lora_targets}
+    if args.lora_rank is None and any(value is not None for value in lora_settings.values()):
+        given = next(name for name, value in lora_settings.items() if value is not None)
+        parser.error(f"--lora-{given} sets up LoRA adapters: give their rank with --lora-rank")
+    if args.lora_rank is not None and (args.freeze is not None or args.freeze_blocks is not None):
+        parser.error("--lora-rank already freezes the tower's own weights (only the adapters train); "
+                     "leave out --freeze / --freeze-blocks")  # fmt: skip
     ops, magnitude = args.randaugment
     if ops != int(ops) or magnitude > 10:
         parser.error(
@@ -440,7 +499,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     config = TrainConfig(
         run=typed_run(RunSection, args, steps=steps),
         model=typed_run(
-            ModelSection, args, drop_path=objective.default_drop_path if args.drop_path is None else args.drop_path
+            ModelSection,
+            args,
+            drop_path=objective.default_drop_path if args.drop_path is None else args.drop_path,
+            **_lora_defaults(args),
         ),
         data=typed_run(
             DataSection,
@@ -463,6 +525,17 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         options=objective.options_from(args),
     )
     return objective.check_config(config, parser.error)
+
+
+def _lora_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """The LoRA settings a ``--lora-rank`` run leaves out, filled in (the run's identity records them)."""
+    if args.lora_rank is None:
+        return {}
+    return {
+        "lora_alpha": float(args.lora_rank if args.lora_alpha is None else args.lora_alpha),
+        "lora_dropout": 0.0 if args.lora_dropout is None else args.lora_dropout,
+        "lora_targets": LORA_TARGETS if args.lora_targets is None else args.lora_targets,
+    }
 
 
 def _check_attention(parser: argparse.ArgumentParser, attn: str, device: str) -> None:

@@ -330,6 +330,7 @@ def finish(trainer: Trainer) -> dict[str, Any]:
         "encoder": {
             "shape": describe(trainer.encoder.config),
             "parameters": sum(p.numel() for p in trainer.encoder.parameters()),
+            "trained": sum(p.numel() for p in trainer.encoder.parameters() if p.requires_grad),
         },
         "sizes": {
             "train": len(data.train),

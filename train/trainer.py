@@ -26,6 +26,7 @@ from moonvit import MoonViT, MoonViTImageProcessor
 from moonvit.cli import torch_dtype
 from moonvit.distributed import Ranks
 from moonvit.media.presets import video_processor_of
+from moonvit.model.lora import apply_lora, lora_config, merge_lora, save_adapter
 
 from .batch import Batch, render_pack
 from .build import RunPlan, TrainError
@@ -232,7 +233,8 @@ class Trainer:
 
     def export(self) -> list[str]:
         """The encoder in the package's format at ``<out>/checkpoint`` (with the processor's settings), and
-        the objective's files beside it. Every rank gathers; the main rank writes."""
+        the objective's files beside it. Every rank gathers; the main rank writes. A LoRA run's checkpoint
+        is the tower with its adapters merged in (a plain tower), the adapters alone in ``<out>/adapter``."""
         out = self.config.run.out
         state = self.parallel.model_state()
         if not self.ranks.is_main:
@@ -242,13 +244,23 @@ class Trainer:
             part, _, rest = name.partition(".")
             parts[part][rest] = tensor
         encoder = MoonViT(dataclasses.replace(self.encoder.config, drop_path_rate=0.0))
+        lora = lora_config(self.encoder)
+        if lora is not None:
+            with torch.random.fork_rng(devices=[]):  # its A draws are overwritten next: leave the run's RNG as it is
+                apply_lora(encoder, lora)
         encoder.load_state_dict(parts["encoder"])
+        if lora is not None:
+            model = self.config.model
+            base = model.checkpoint or f"--preset {model.preset} --seed {self.config.run.seed}"  # the tower adapted
+            save_adapter(encoder, out / "adapter", base=base)
+            merge_lora(encoder)
         encoder.save_pretrained(out / "checkpoint")
         self.processor.save_pretrained(out / "checkpoint")
         if encoder.config.max_frames > 1:  # a video tower's folder keeps its source's video rule (K3: 8 fps)
             video = video_processor_of(checkpoint=self.config.model.checkpoint, preset=self.config.model.preset)
             video.save_pretrained(out / "checkpoint")
-        return ["checkpoint", *self.objective.save(out, parts["objective"])]
+        adapter = [] if lora is None else ["adapter"]
+        return ["checkpoint", *adapter, *self.objective.save(out, parts["objective"])]
 
 
 class StepFeed:
