@@ -37,7 +37,7 @@ from moonvit import (
     pool_features,
 )
 from moonvit.encode import encode_processed, processed_packs
-from moonvit.files import save_safetensors_atomic
+from moonvit.files import save_safetensors_atomic, write_text_atomic
 from moonvit.media.image import ImageInput
 
 from .datasets import Split
@@ -248,7 +248,8 @@ def pixel_features(images: np.ndarray | Iterable[ImageInput], progress: str | No
 
 
 class FeatureCache:
-    """Feature matrices on disk, one safetensors file per key, the key stored in its metadata.
+    """Feature matrices on disk, one safetensors file per key, the key stored in its metadata; and
+    JSON records (a probe's figures), one file per key, the key stored beside the record.
 
     A key is a JSON-able dict (checkpoint hash, dataset and split fingerprint, preprocessing, view);
     its sha256 names the file, so any change to it misses.
@@ -257,9 +258,24 @@ class FeatureCache:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
 
-    def path(self, key: dict[str, Any]) -> Path:
+    def path(self, key: dict[str, Any], suffix: str = ".safetensors") -> Path:
         text = json.dumps({"format": CACHE_FORMAT, **key}, sort_keys=True)
-        return self.root / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.safetensors"
+        return self.root / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}{suffix}"
+
+    def load_record(self, key: dict[str, Any]) -> Any:
+        """The record saved under ``key``; None when there is none, or when its file cannot be read
+        back or holds another key."""
+        try:
+            stored = json.loads(self.path(key, ".json").read_text())
+        except (OSError, ValueError):
+            return None
+        same = isinstance(stored, dict) and stored.get("key") == json.loads(json.dumps(key))
+        return stored.get("record") if same else None
+
+    def save_record(self, key: dict[str, Any], record: Any) -> None:
+        """Save the JSON-able ``record`` under ``key`` (atomically)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.path(key, ".json"), json.dumps({"key": key, "record": record}, sort_keys=True))
 
     def load(self, key: dict[str, Any]) -> torch.Tensor | None:
         path = self.path(key)

@@ -6,7 +6,9 @@ Protocol: the frozen encoder's features are extracted once per split (eval mode,
 packs of whole images under a patch budget) and cached on disk; they are standardised with
 training statistics; a linear probe is selected on a seeded stratified 10% of train, refitted on
 all of train and scored once on test (see :mod:`eval.probe`). The same probe on raw pixels is the
-baseline row unless ``--no-baseline``.
+baseline row unless ``--no-baseline``; its figures are cached too, keyed by everything they depend
+on (:func:`baseline_key`), so a rerun on the same data with the same settings reuses them and says
+so (``cache_hit``'s ``results``, ``cached`` in the table's seconds, a line on stderr).
 
 On the same features, as DINOv3 and RADIO report them: the weighted kNN classifier (DINO's: cosine,
 k of ``--knn-k``, T = 0.07, :mod:`eval.knn`) and scikit-learn's logistic regression (C chosen on
@@ -25,12 +27,14 @@ exits with status 130.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 import moonvit
@@ -51,12 +55,13 @@ from moonvit.cli import (
     positive_int,
 )
 from moonvit.model.attention import resolve_attn_implementation
+from moonvit.runs import compute_facts
 
-from .datasets import DEFAULT_FASHION_MNIST_DIR, DatasetError, load_dataset
-from .encoder import load_frozen_encoder
-from .features import FEATURE_VIEWS, FeatureCache, ResizePolicy, available_views
+from .datasets import DEFAULT_FASHION_MNIST_DIR, Dataset, DatasetError, load_dataset
+from .encoder import FrozenEncoder, load_frozen_encoder
+from .features import FEATURE_VIEWS, PIXEL_SIDE, FeatureCache, ResizePolicy, available_views
 from .knn import DEFAULT_KS, DEFAULT_TEMPERATURE, KnnConfig
-from .logreg import DEFAULT_CS, DEFAULT_SEARCH_ROWS, LogRegConfig
+from .logreg import DEFAULT_CS, DEFAULT_SEARCH_ROWS, LogRegConfig, sklearn_version
 from .probe import ProbeConfig, ProbeDataWarning, check_probe_labels
 from .probe_run import PROGRAM, ProbeArgumentError, ProbeRun
 from .probe_view import SPEED_SAMPLE, WARMUP_IMAGES, probe_view
@@ -68,6 +73,7 @@ from .report import (
     csv_rows,
     markdown_table,
     probe_results,
+    save_confusion_png,
     speed_line,
     write_json,
 )
@@ -80,11 +86,13 @@ __all__ = [
     "ProbeArgumentError",
     "ProbeConfig",
     "ProbeRun",
+    "baseline_key",
     "build_parser",
     "csv_rows",
     "main",
     "probe_view",
     "run",
+    "view_results",
 ]
 
 
@@ -291,7 +299,7 @@ def run(probe: ProbeRun) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     for view in views:
         try:
-            runs.append(probe_view(view, probe, dataset, encoder, cache))
+            runs.append(view_results(view, probe, dataset, encoder, cache))
         except KeyboardInterrupt:
             # Ctrl-C: the views that finished are written below; with none, there is nothing to keep
             if not runs:
@@ -316,6 +324,80 @@ def run(probe: ProbeRun) -> dict[str, Any]:
     append_csv_rows(probe.results_csv, columns, csv_rows(results, columns, probe.knn_columns))
     print(f"{len(runs)} row{'s' if len(runs) != 1 else ''} appended to {probe.results_csv}")
     return results
+
+
+RESULTS_FORMAT = 1
+"""The layout of the baseline's cached figures; a change to it misses every older record."""
+
+
+def baseline_key(probe: ProbeRun, dataset: Dataset) -> dict[str, Any]:
+    """What the raw-pixels view's figures depend on: the data (both splits' images and labels, the
+    classes, the side files are resized to), the three classifiers' settings (grids, seeds, epochs,
+    the selection share, standardisation), and what the fits compute with (threads, torch, the
+    device, the CPU's kernel level; NumPy, scikit-learn, this package)."""
+    return {
+        "results": "pixels",
+        "results_format": RESULTS_FORMAT,
+        "dataset": dataset.name,
+        "classes": list(dataset.classes),
+        "train": dataset.train.fingerprint(),
+        "test": dataset.test.fingerprint(),
+        "pixel_side": PIXEL_SIDE,
+        "probe": dataclasses.asdict(probe.probe),
+        "knn": None if probe.knn is None else dataclasses.asdict(probe.knn),
+        "logreg": None if probe.logreg is None else dataclasses.asdict(probe.logreg),
+        "compute": compute_facts(torch.device(probe.device)),
+        "versions": {
+            "numpy": np.__version__,
+            "scikit-learn": None if probe.logreg is None else sklearn_version(),
+            "moonvit": moonvit.__version__,
+        },
+    }
+
+
+def view_results(
+    view: str, probe: ProbeRun, dataset: Dataset, encoder: FrozenEncoder | None, cache: FeatureCache
+) -> dict[str, Any]:
+    """The ``runs`` entry of ``view`` (:func:`~eval.probe_view.probe_view`). The raw-pixels view's
+    comes from ``cache`` when a run with the same :func:`baseline_key` stored it (its confusion
+    PNG drawn again, its warnings given again); otherwise it is fitted and stored, with the
+    warnings its fit gave. Its ``cache_hit`` says which (``results``)."""
+    if view != "pixels":
+        return probe_view(view, probe, dataset, encoder, cache)
+    key = baseline_key(probe, dataset)
+    stored = cache.load_record(key)
+    if stored is not None:
+        return _reused_baseline(stored, probe, dataset)
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            entry = probe_view(view, probe, dataset, encoder, cache)
+    finally:
+        for warning in caught:  # shown as they would have been, and kept for a rerun
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+    entry = {**entry, "cache_hit": {**entry["cache_hit"], "results": False}}
+    cache.save_record(key, {"entry": entry, "warnings": [str(warning.message) for warning in caught]})
+    return entry
+
+
+def _reused_baseline(stored: dict[str, Any], probe: ProbeRun, dataset: Dataset) -> dict[str, Any]:
+    """The stored raw-pixels entry for this run: its confusion PNG in ``--out``, its warnings and a
+    line on stderr saying where its figures come from."""
+    entry = {**stored["entry"], "cache_hit": {"results": True}}
+    title = f"{dataset.name} / pixels / test top-1 {entry['test']['top1']:.4f}"  # probe_view's title
+    save_confusion_png(entry["confusion"], dataset.classes, probe.out / entry["confusion_png"], title)
+    fitted = ", ".join(
+        stage for stage, figures in (("kNN", entry["knn"]), ("logistic regression", entry["logreg"])) if figures
+    )
+    print(
+        f"{dataset.name} pixels: linear probe{', ' + fitted if fitted else ''} reused from the cache "
+        "(the same data and settings)",
+        file=sys.stderr,
+        flush=True,
+    )
+    for message in stored["warnings"]:
+        warnings.warn(message, stacklevel=1)
+    return entry
 
 
 if __name__ == "__main__":

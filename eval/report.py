@@ -102,6 +102,7 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
 
     The linear probe's columns come first; then logreg top-1, kNN top-1 per k and the encoder's
     images/s when any run has them ("-" in a run without, e.g. images/s of the pixels baseline).
+    A run whose figures came from the cache has ``cached`` for its probe seconds.
     """
     logreg, ks, speed = _extra_columns(rows)
     columns = [
@@ -125,7 +126,7 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
             f"{test['top1']:.4f}",
             top5,
             f"{test['mean_per_class_recall']:.4f}",
-            f"{run['timings']['probe_s']:.1f}",
+            "cached" if run.get("cache_hit", {}).get("results") else f"{run['timings']['probe_s']:.1f}",
         ]
         if logreg:
             cells.append(f"{run['logreg']['test_top1']:.4f}" if run.get("logreg") else "-")

@@ -136,6 +136,43 @@ def test_cli_on_digits_writes_results_and_reuses_features(tmp_path, capsys):
     assert len((tmp_path / "probe_results.csv").read_text().splitlines()) == 1 + 2 * 2
 
 
+def test_the_baseline_is_fitted_once_for_the_same_data_and_settings(tmp_path, capsys, monkeypatch):
+    """The raw-pixels figures come from the cache on a rerun (the same numbers, and the output
+    says so); a changed setting they depend on fits them again."""
+    import eval.linear_probe as linear_probe
+
+    fits: list[str] = []
+    fitted = linear_probe.probe_view
+
+    def counted(view, *args, **kwargs):
+        fits.append(view)
+        return fitted(view, *args, **kwargs)
+
+    monkeypatch.setattr(linear_probe, "probe_view", counted)
+    args = ["--preset", "tiny", "--random-init", "--dataset", "digits", "--short-side", "28", *FAST]
+    first = main([*args, "--out", str(tmp_path / "first")])
+    assert fits == ["mean", "pixels"] and first["runs"][1]["cache_hit"]["results"] is False
+    capsys.readouterr()
+
+    second = main([*args, "--out", str(tmp_path / "second")])
+    assert fits == ["mean", "pixels", "mean"]
+    baseline = second["runs"][1]
+    assert baseline["cache_hit"] == {"results": True}
+    assert {**baseline, "cache_hit": None} == {**first["runs"][1], "cache_hit": None}
+    printed = capsys.readouterr()
+    assert "digits pixels: linear probe, kNN, logistic regression reused from the cache" in printed.err
+    assert re.search(r"\| pixels \| adamw \| 64 \| .* \| cached \|", printed.out)
+    first_png = (tmp_path / "first" / "confusion_pixels.png").read_bytes()
+    assert (tmp_path / "second" / "confusion_pixels.png").read_bytes() == first_png
+    rows = (tmp_path / "probe_results.csv").read_text().splitlines()
+    assert rows[2].split(",")[8:] == rows[4].split(",")[8:]  # the pixels rows: the same figures
+
+    for changed in (["--knn-temperature", "0.1"], ["--epochs", "2"]):
+        main([*args, *changed, "--out", str(tmp_path / "changed")])
+        assert fits[-1] == "pixels", changed
+    assert fits.count("pixels") == 3
+
+
 def test_ctrl_c_keeps_the_views_that_finished(tmp_path, capsys, monkeypatch):
     import eval.linear_probe as linear_probe
 
