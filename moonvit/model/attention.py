@@ -1,9 +1,12 @@
 """Attention over a pack of images, each image attending only to itself.
 
-Five backends compute the same block-diagonal attention:
+Six backends compute the same block-diagonal attention:
 
 - ``flash_attention_2``: flash-attn's varlen kernel over the packed sequence
   (CUDA, bf16 / fp16; the optional ``moonvit[flash]`` extra).
+- ``varlen``: the same packed call through torch's own FlashAttention,
+  ``torch.nn.attention.varlen.varlen_attn`` (CUDA, bf16 / fp16, torch >= 2.10; no extra package,
+  :mod:`moonvit.model.varlen`).
 - ``openvino``: on a CPU with bf16 arithmetic, in bf16, items of 1,024 patches or more
   through OpenVINO's attention (1.5-1.9x torch's from 2,048 patches; the optional
   ``moonvit[openvino]`` extra, :mod:`moonvit.model.openvino_sdpa`), shorter ones
@@ -17,8 +20,11 @@ Five backends compute the same block-diagonal attention:
   slower than sdpa on the CPUs measured (see the README's speed section).
 - ``eager``: plain math per image, the reference.
 
-``auto`` picks flash-attn where it can run, then OpenVINO's (where it is installed, on a bf16
-CPU model), and otherwise sdpa.
+``auto`` picks, in registration order, the first backend that can run and that the host's
+measurements do not pass over: on CUDA flash-attn where it is installed, then ``varlen``, then sdpa;
+on a CPU OpenVINO's for a bf16 model where the host has AVX512-BF16 and no AMX
+(:func:`~moonvit.model.openvino_sdpa.cpu_attention_choice`), otherwise sdpa. It logs once why it
+passed the earlier ones over.
 
 The backends live in one registry (:func:`register_attention`): the names that
 configs, ``set_attn_implementation`` and the CLIs accept all come from it, so a
@@ -40,12 +46,14 @@ import torch.nn.functional as F
 from .flex import flex_attention, flex_not_installed, flex_unavailable
 from .openvino_sdpa import (
     OPENVINO_MIN_PATCHES,
+    openvino_auto_declined,
     openvino_not_installed,
     openvino_prescaled_rows,
     openvino_sdpa,
     openvino_unavailable,
 )
-from .tracing import recorded_or_traced
+from .tracing import is_traced, recorded_or_traced
+from .varlen import packed_varlen_attention, varlen_head_dim_unsupported, varlen_not_installed, varlen_unavailable
 
 if TYPE_CHECKING:
     from .grid import AttentionGroup, PackedGrid
@@ -185,7 +193,23 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Pac
     )
 
 
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: PackedGrid) -> torch.Tensor:
+    """torch's varlen FlashAttention on the packed (L, heads, head_dim) rows, one call per pack
+    (:mod:`moonvit.model.varlen`); on a head_dim its kernel does not take, :func:`sdpa_attention`,
+    with the reason logged once."""
+    reason = varlen_head_dim_unsupported(q.shape[-1])
+    if reason is not None:
+        if not torch.compiler.is_compiling():
+            _log_fallback(f"varlen: {reason}; using sdpa", logging.WARNING)
+        return sdpa_attention(q, k, v, grid)
+    return packed_varlen_attention(q, k, v, grid)
+
+
 # ---- the registry ------------------------------------------------------------------------------
+
+
+def _always(*_: object) -> None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -198,7 +222,10 @@ class AttentionBackend:
         unavailable: ``unavailable(device, dtype)``: why it cannot run there, or None.
         installed: whether its package is importable at all (checked when it is asked for by name).
         auto: whether ``auto`` may pick it; ``auto`` takes the first such backend, in
-            registration order, that can run.
+            registration order, that can run and that ``auto_declined`` does not pass over.
+        auto_declined: ``auto_declined(device, dtype)``: why ``auto`` passes it over on this host
+            though it can run (it was measured slower there than a later backend), or None. Asked
+            for by name, it runs all the same.
         prescaled_rows: for a backend that would round ``q * head_dim ** -0.5`` to q's dtype itself
             (a second rounding of q: OpenVINO's), ``prescaled_rows(grid)``, (L,) bool, the rows
             whose q it takes already scaled (None: none in this pack). The encoder then scales them
@@ -216,13 +243,10 @@ class AttentionBackend:
     auto: bool
     prescaled_rows: Callable[[PackedGrid], torch.Tensor | None] | None = None
     inference_only: bool = False
+    auto_declined: Callable[[torch.device, torch.dtype], str | None] = _always
 
 
 _BACKENDS: dict[str, AttentionBackend] = {}
-
-
-def _always(*_: object) -> None:
-    return None
 
 
 def register_attention(
@@ -234,11 +258,14 @@ def register_attention(
     auto: bool = False,
     prescaled_rows: Callable[[PackedGrid], torch.Tensor | None] | None = None,
     inference_only: bool = False,
+    auto_declined: Callable[[torch.device, torch.dtype], str | None] = _always,
 ) -> None:
     """Add (or replace) an attention backend; see :class:`AttentionBackend`."""
     if name == "auto":
         raise ValueError("'auto' is reserved for the automatic choice")
-    _BACKENDS[name] = AttentionBackend(name, fn, unavailable, installed, auto, prescaled_rows, inference_only)
+    _BACKENDS[name] = AttentionBackend(
+        name, fn, unavailable, installed, auto, prescaled_rows, inference_only, auto_declined
+    )
 
 
 def attention_names() -> tuple[str, ...]:
@@ -315,37 +342,43 @@ def resolve_attn_implementation(requested: str, device: torch.device, dtype: tor
     """The backend to run for a model on ``device`` in ``dtype``.
 
     A named backend is used as asked (RuntimeError, with the reason, where it
-    cannot run). ``auto`` takes the first auto-eligible backend that can run and
-    logs, once per reason, why an earlier one could not.
+    cannot run). ``auto`` takes the first auto-eligible backend that can run and that the host's
+    measurements do not pass over (``auto_declined``), and logs once why it passed the earlier ones
+    over. Under a tracer an inference-only backend is not asked about the host (a tracer cannot
+    follow those questions, and :func:`attention_for_call` runs ``sdpa`` in its place there).
 
     Raises:
         AttentionUnavailableError: a named backend cannot run on this device or dtype.
     """
     if requested != "auto":
         backend = _BACKENDS[requested]
+        if backend.inference_only and is_traced():
+            return requested
         reason = backend.installed() or backend.unavailable(device, dtype)
         if reason is not None:
             raise AttentionUnavailableError(f"attn_implementation={requested!r} cannot run: {reason}")
         return requested
     skipped: list[str] = []
     for backend in _BACKENDS.values():
-        if not backend.auto:
+        if not backend.auto or (backend.inference_only and is_traced()):
             continue
-        reason = backend.installed() or backend.unavailable(device, dtype)
+        reason = backend.installed() or backend.unavailable(device, dtype) or backend.auto_declined(device, dtype)
         if reason is None:
             if skipped and not torch.compiler.is_compiling():
-                _log_fallback(skipped[0], backend.name, device)
+                # on CUDA sdpa is the slow path (one call per group of equal lengths): a warning
+                slow = device.type == "cuda" and backend.name == "sdpa"
+                _log_fallback(f"{'; '.join(skipped)}; using {backend.name}", logging.WARNING if slow else logging.INFO)
             return backend.name
-        skipped.append(reason)
+        skipped.append(f"{backend.name}: {reason}")
     raise AttentionUnavailableError(f"no attention backend can run on {device} in {dtype}: {'; '.join(skipped)}")
 
 
-def _log_fallback(reason: str, chosen: str, device: torch.device) -> None:
-    if reason in _logged_fallbacks:
+def _log_fallback(message: str, level: int) -> None:
+    """Log ``message`` on the ``moonvit`` logger, once per process."""
+    if message in _logged_fallbacks:
         return
-    _logged_fallbacks.add(reason)
-    level = logging.WARNING if device.type == "cuda" else logging.INFO
-    logger.log(level, "moonvit attention: %s; using %s", reason, chosen)
+    _logged_fallbacks.add(message)
+    logger.log(level, "moonvit attention: %s", message)
 
 
 def _flash_not_installed() -> str | None:
@@ -366,6 +399,9 @@ register_attention(
     "flash_attention_2", flash_attention, unavailable=_flash_unavailable, installed=_flash_not_installed, auto=True
 )
 register_attention(
+    "varlen", varlen_attention, unavailable=varlen_unavailable, installed=varlen_not_installed, auto=True
+)
+register_attention(
     "openvino",
     openvino_attention,
     unavailable=openvino_unavailable,
@@ -373,6 +409,7 @@ register_attention(
     auto=True,
     prescaled_rows=openvino_prescaled_rows,
     inference_only=True,
+    auto_declined=openvino_auto_declined,
 )
 register_attention("sdpa", sdpa_attention, auto=True)
 register_attention("flex", flex_attention, unavailable=flex_unavailable, installed=flex_not_installed)

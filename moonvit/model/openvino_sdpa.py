@@ -7,6 +7,14 @@ kernel on long items (16 heads of 72, 2 threads, AMD Zen 4: 1.8x at 1,024 patche
 here and the others to torch's SDPA. q, k and v go in as one buffer, the block's wqkv output itself,
 split inside OpenVINO's graph: no copies on the way in.
 
+Where ``auto`` takes it. Not on every CPU with bf16 arithmetic: on an Intel CPU with AMX the tower
+ran 0.80-0.85x as fast with it as with torch's SDPA (torch's attention itself faster there, and the
+matmuls slower beside OpenVINO's threads).
+:func:`cpu_attention_choice` is the rule, a pure function of the host's facts (:class:`CpuHost`):
+OpenVINO's attention for bf16 items of :data:`OPENVINO_MIN_PATCHES` or more on a CPU with
+AVX512-BF16 and no AMX, torch's SDPA elsewhere; asked for by name, it runs on any CPU with bf16
+arithmetic.
+
 Threads. OpenVINO runs its own threads beside torch's. After each parallel op torch's OpenMP threads
 spin for a few milliseconds before they sleep (libgomp's default), and OpenVINO's threads share the
 cores with them meanwhile: called right after a torch matmul, a 1,024-patch item's
@@ -46,6 +54,7 @@ import importlib.util
 import math
 import os
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -104,6 +113,83 @@ def openvino_unavailable(device: torch.device, dtype: torch.dtype) -> str | None
     if _forked_after_start:
         return FORKED
     return None
+
+
+# ---- auto's choice on a CPU ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CpuHost:
+    """What ``auto``'s choice between OpenVINO's attention and torch's rests on: facts the host reports.
+
+    Attributes:
+        amx: AMX tiles (Intel Sapphire Rapids and later).
+        avx512_bf16: AVX512-BF16 dot products (AMD Zen 4 and later, Intel Cooper Lake and later).
+        threads: torch's intra-op threads (OpenVINO runs as many of its own).
+        torch_version: ``torch.__version__``.
+        openvino: whether OpenVINO is installed.
+    """
+
+    amx: bool
+    avx512_bf16: bool
+    threads: int
+    torch_version: str
+    openvino: bool
+
+
+@functools.cache
+def _cpu_units() -> tuple[bool, bool]:
+    """(AMX, AVX512-BF16) as torch reads them; False where this torch cannot tell."""
+    amx, bf16 = (getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    return amx is not None and bool(amx()), bf16 is not None and bool(bf16())
+
+
+def cpu_host() -> CpuHost:
+    """This process's :class:`CpuHost` (threads as set now; eager only: a tracer cannot ask)."""
+    amx, avx512_bf16 = _cpu_units()
+    return CpuHost(amx, avx512_bf16, torch.get_num_threads(), torch.__version__, openvino_not_installed() is None)
+
+
+def openvino_declined(host: CpuHost, dtype: torch.dtype, seqlen: int = OPENVINO_MIN_PATCHES) -> str | None:
+    """Why ``auto`` leaves an item of ``seqlen`` rows in ``dtype`` to torch's SDPA on ``host``, or None
+    where OpenVINO's attention runs it. Each rule rests on a measurement (``benchmarks/results/
+    cpu_attention_choice.md``, 2 threads, torch 2.13, OpenVINO 2026.4):
+
+    - AMX (Intel, 448x448 and 896x896, 27 blocks): the tower ran 0.85x and 0.80x as fast with
+      OpenVINO's attention as with sdpa; per block, torch's attention took 13.4 and 28.9 ms per 1,000
+      patches against OpenVINO's 21.1 and 81.5, and the matmuls beside OpenVINO's threads 52.7
+      against 26.6 at 896x896;
+    - AVX512-BF16 without AMX (AMD Zen 4): 1.09x and 1.47x, OpenVINO's bf16 attention using the dot
+      products torch's CPU attention does not (it takes the same time in bf16 and float32 there);
+    - neither (no bf16 arithmetic, or not x86: unmeasured): torch's;
+    - items under :data:`OPENVINO_MIN_PATCHES`: torch's (0.77x at 256 patches on Zen 4).
+
+    Thread count and torch version are not part of the rule: both classes were measured at 2 threads
+    on torch 2.13, and other settings take the same choice, unmeasured.
+    """
+    if not host.openvino:
+        return "OpenVINO is not installed (pip install 'moonvit[openvino]')"
+    if dtype != torch.bfloat16:
+        return f"OpenVINO's attention is used in bf16 only, the model is {dtype}"
+    if host.amx:
+        return "this CPU has AMX, where torch's SDPA is faster than OpenVINO's attention (measured: 0.80-0.85x)"
+    if not host.avx512_bf16:
+        return "this CPU has no AVX512-BF16, where OpenVINO's bf16 attention is not measured to win"
+    if seqlen < OPENVINO_MIN_PATCHES:
+        return f"items under {OPENVINO_MIN_PATCHES} patches are faster through torch's SDPA"
+    return None
+
+
+def cpu_attention_choice(host: CpuHost, dtype: torch.dtype, seqlen: int) -> str:
+    """The backend ``auto`` runs an item of ``seqlen`` rows in ``dtype`` with on a CPU ``host``:
+    ``openvino`` or ``sdpa`` (:func:`openvino_declined` says why)."""
+    return "sdpa" if openvino_declined(host, dtype, seqlen) else "openvino"
+
+
+def openvino_auto_declined(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why ``auto`` passes the ``openvino`` backend over on this host, though it could run, or None:
+    :func:`openvino_declined` for its long items (the backend hands the others to torch's SDPA)."""
+    return openvino_declined(cpu_host(), dtype) if device.type == "cpu" else None
 
 
 def openvino_prescaled_rows(grid: PackedGrid) -> torch.Tensor | None:
