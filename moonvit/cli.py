@@ -60,6 +60,7 @@ __all__ = [
     "add_device_argument",
     "add_dtype_argument",
     "add_opset_argument",
+    "add_projector_from_argument",
     "add_seed_argument",
     "add_shared_arguments",
     "add_side_limit_argument",
@@ -410,6 +411,20 @@ def add_side_limit_argument(parser: argparse.ArgumentParser | argparse._Argument
     )
 
 
+def add_projector_from_argument(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, what: str = "projector"
+) -> None:
+    """``--projector-from``: a folder or hub id to read the projector from instead of ``--checkpoint``
+    (a tower saved by this package, trained or fine-tuned, may hold none), checked as ``--checkpoint`` is."""
+    parser.add_argument(
+        "--projector-from",
+        type=checkpoint_source,
+        default=None,
+        metavar="DIR_OR_HUB_ID",
+        help=f"read the {what} from this folder or hub id instead of the checkpoint (default: the checkpoint)",
+    )
+
+
 # ---- shared options, by name -------------------------------------------------------------------
 
 SHARED_OPTIONS: dict[str, Callable[..., None]] = {
@@ -423,6 +438,7 @@ SHARED_OPTIONS: dict[str, Callable[..., None]] = {
     "side_limit_mode": add_side_limit_argument,
     "seed": add_seed_argument,
     "opset": add_opset_argument,
+    "projector_from": add_projector_from_argument,
 }
 """Each shared option by its ``dest``, the field name of the typed runs, with the function that adds it."""
 

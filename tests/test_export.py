@@ -33,7 +33,7 @@ from moonvit import MoonViT, MoonViTImageProcessor
 from moonvit.files import sha256_file
 from moonvit.model.attention import resolve_attn_implementation
 from moonvit.runs import compute_facts
-from projector import MoonViTProjector
+from projector import MoonViTProjector, ProjectorConfig
 from projector.dataset import VisualTokenDataset
 from projector.export import ExportError, InputImage, read_inputs, split_balanced
 
@@ -147,6 +147,39 @@ def test_merged_only_needs_no_projector(tmp_path, capsys):
     assert export_error(capsys, *common, "--out", tmp_path / "projected").endswith(
         "(use --store merged to export without a projector)"
     )
+
+
+def test_projector_from_reads_the_projector_of_another_folder(tmp_path, capsys):
+    """A tower saved without a projector exports projected tokens through ``--projector-from``'s: the same
+    tokens and weights hash as one folder holding both, run.json naming where the projector came from."""
+    tower = make_checkpoint(tmp_path / "tower", projector=False)
+    both = make_checkpoint(tmp_path / "both")  # the same encoder and the same projector
+    write_images(tmp_path / "images", 3)
+    common = ["--inputs", tmp_path / "images", "--dtype", "fp32"]
+    run_export(*common, "--checkpoint", tower, "--projector-from", both, "--out", tmp_path / "from")
+    run_export(*common, "--checkpoint", both, "--out", tmp_path / "one")
+    given, one = (json.loads((tmp_path / name / "run.json").read_text())["checkpoint"] for name in ("from", "one"))
+    assert given["sha256"] == one["sha256"] and given["projector_from"] == str(both.resolve())
+    assert "projector_from" not in one
+    ours, reference = tokens_by_id(tmp_path / "from"), tokens_by_id(tmp_path / "one")
+    assert ours.keys() == reference.keys()
+    assert all(torch.equal(ours[key]["projected"], reference[key]["projected"]) for key in ours)
+
+    line = export_error(capsys, *common, "--checkpoint", tower, "--projector-from", tower, "--out", tmp_path / "x")
+    assert line.startswith(f"python -m projector.export: error: --projector-from {tower}: ")
+    narrow = tmp_path / "narrow"
+    MoonViTProjector(ProjectorConfig(vision_hidden_size=32, text_hidden_size=16)).save_pretrained(narrow)
+    line = export_error(capsys, *common, "--checkpoint", tower, "--projector-from", narrow, "--out", tmp_path / "x")
+    assert "its projector takes 32-wide patches merged 2x2, the encoder of --checkpoint" in line
+    assert "gives 64-wide ones merged 2x2" in line
+    line = export_error(capsys, *common, "--checkpoint", tower, "--projector-from", both, "--store", "merged",
+                        "--out", tmp_path / "x")  # fmt: skip
+    assert line.endswith("--projector-from is for projected tokens; --store merged stores none")
+    line = export_error(capsys, *common, "--checkpoint", tower, "--out", tmp_path / "x")
+    assert "--projector-from DIR_OR_HUB_ID reads one from another folder" in line
+    line = export_error(capsys, *common, "--checkpoint", tower, "--projector-from", tmp_path / "nowhere",
+                        "--out", tmp_path / "x", status=2)  # fmt: skip
+    assert "argument --projector-from: " in line and "does not exist" in line
 
 
 # ---- inputs ----------------------------------------------------------------------------------

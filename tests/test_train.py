@@ -530,3 +530,61 @@ def test_two_rank_fsdp2_equals_one_process_in_fp32(tmp_path):
     train(*args, "--out", tmp_path / "one")
     one, two = weights(tmp_path / "one"), weights(tmp_path / "fsdp")
     assert max(float((one[k] - two[k]).norm() / one[k].norm()) for k in one) <= 1e-5
+
+
+# ---- fine-tuning a release's tower ------------------------------------------------------------
+
+
+def release_folder(family: str, folder: Path) -> Path:
+    """A test-size release folder of ``family`` (tower, projector, processor settings)."""
+    from helpers import randomize_, tiny_locateanything, write_k25_release_folder, write_locateanything_folder
+
+    from projector import MoonViTProjector, ProjectorConfig
+
+    if family == "locateanything":
+        return write_locateanything_folder(folder, *tiny_locateanything())
+    model = randomize_(MoonViT(preset_config("tiny", init_pos_emb_time=4)), seed=2).eval()
+    projector = MoonViTProjector(ProjectorConfig.for_encoder(model.config, 32)).eval()
+    return write_k25_release_folder(folder, model, projector, processor=MoonViTImageProcessor.kimi_k25())
+
+
+def fine_tune(source: Path, out: Path, *flags: str) -> Path:
+    """Two supervised steps from the tower at ``source``; the saved folder."""
+    train(*TINY[:2], *TINY[4:], "--resolution", "28", "--batch-patches", "1024", "--steps", "2", "--evals", "0",
+          "--checkpoint", source, "--out", out, *flags)  # fmt: skip
+    return out / "checkpoint"
+
+
+@pytest.mark.parametrize("family", ["locateanything", "kimi-k25"])
+def test_a_fine_tuned_release_tower_keeps_its_projector_and_exports_projected_tokens(tmp_path, family):
+    """The source's projector, unchanged, beside the fine-tuned tower (and a video tower's video rule):
+    the default export (projected tokens) runs from the saved folder, through the original projector."""
+    from helpers import run_export, write_images
+
+    from moonvit.media.video import MoonViTVideoProcessor
+    from projector import MoonViTProjector
+    from projector.dataset import VisualTokenDataset
+
+    source = release_folder(family, tmp_path / "release")
+    saved = fine_tune(source, tmp_path / "run")
+    original = MoonViTProjector.from_pretrained(source)
+    kept = MoonViTProjector.from_pretrained(saved)
+    assert (saved / "projector_config.json").is_file() and kept.config == original.config
+    for name, tensor in original.state_dict().items():
+        assert kept.state_dict()[name].dtype == tensor.dtype and torch.equal(kept.state_dict()[name], tensor)
+    if family == "kimi-k25":
+        assert MoonViTVideoProcessor.from_pretrained(saved) == MoonViTVideoProcessor.from_pretrained(source)
+    encoder = MoonViT.from_pretrained(saved, dtype=torch.float32)
+    assert not torch.equal(encoder.encoder.blocks[0].wqkv.weight, MoonViT.from_pretrained(source).encoder.blocks[0]
+                           .wqkv.weight.float())  # fmt: skip
+
+    write_images(tmp_path / "images", 3)
+    run_export("--inputs", tmp_path / "images", "--checkpoint", saved, "--out", tmp_path / "tokens", "--dtype", "fp32")
+    processor, projector = MoonViTImageProcessor.from_pretrained(saved), original.float()
+    tokens = VisualTokenDataset(tmp_path / "tokens")
+    for i in range(len(tokens)):
+        item = tokens[i]
+        batch = processor([tmp_path / "images" / item["id"]])
+        with torch.no_grad():
+            expected = projector(encoder(batch.pixel_values, batch.grid_hws).merged)
+        torch.testing.assert_close(item["projected"], expected, rtol=1e-5, atol=1e-5)

@@ -17,16 +17,18 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from moonvit import MoonViT, MoonViTImageProcessor
+from moonvit import CheckpointError, MoonViT, MoonViTImageProcessor
 from moonvit.cli import torch_dtype
 from moonvit.distributed import Ranks
 from moonvit.media.presets import video_processor_of
 from moonvit.model.lora import apply_lora, lora_config, merge_lora, save_adapter
+from moonvit.model.projector import MoonViTProjector
 
 from .batch import Batch, render_pack
 from .build import RunPlan, TrainError
@@ -254,13 +256,34 @@ class Trainer:
             base = model.checkpoint or f"--preset {model.preset} --seed {self.config.run.seed}"  # the tower adapted
             save_adapter(encoder, out / "adapter", base=base)
             merge_lora(encoder)
-        encoder.save_pretrained(out / "checkpoint")
-        self.processor.save_pretrained(out / "checkpoint")
-        if encoder.config.max_frames > 1:  # a video tower's folder keeps its source's video rule (K3: 8 fps)
-            video = video_processor_of(checkpoint=self.config.model.checkpoint, preset=self.config.model.preset)
-            video.save_pretrained(out / "checkpoint")
+        self.save_checkpoint(encoder, out / "checkpoint")
         adapter = [] if lora is None else ["adapter"]
         return ["checkpoint", *adapter, *self.objective.save(out, parts["objective"])]
+
+    def save_checkpoint(self, encoder: MoonViT, folder: Path) -> None:
+        """Write the trained ``encoder`` to ``folder`` in this package's format, with the processor's
+        settings, a video tower's video rule (its source's: K3's 8 fps), and the projector of a
+        ``--checkpoint`` that has one, unchanged: the tower's tokens still reach its language model through
+        it (this package's projector files beside the tower)."""
+        encoder.save_pretrained(folder)
+        projector = source_projector(self.config.model.checkpoint)
+        if projector is not None:
+            projector.save_pretrained(folder)
+        self.processor.save_pretrained(folder)
+        if encoder.config.max_frames > 1:
+            video = video_processor_of(checkpoint=self.config.model.checkpoint, preset=self.config.model.preset)
+            video.save_pretrained(folder)
+
+
+def source_projector(checkpoint: str | None) -> MoonViTProjector | None:
+    """The projector of the ``--checkpoint`` a run started from, as it is stored (its dtype kept), or None:
+    a preset's run, or a tower saved without one (this package's folders may hold none)."""
+    if checkpoint is None:
+        return None
+    try:
+        return MoonViTProjector.from_pretrained(checkpoint)
+    except CheckpointError:
+        return None
 
 
 class StepFeed:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..cli import add_checkpoint_argument, checkpoint_source, exit_on, one_line_warnings, output_file
+from ..cli import add_checkpoint_argument, add_shared_arguments, exit_on, one_line_warnings, output_file
 from ..media.processor import MoonViTImageProcessor
 from ..model.encoder import MoonViT
 from ..weights.storage import CheckpointError
@@ -72,13 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="llama.cpp's graph to run it with: kimik25 (default: this package's numbers, K2.5's image "
         "markers) or kimivl (Kimi-VL towers: as llama.cpp's converter writes them, with its graph's deviations)",
     )
-    parser.add_argument(
-        "--projector-from",
-        type=checkpoint_source,
-        default=None,
-        metavar="DIR_OR_HUB_ID",
-        help="read the Kimi projector from this folder or hub id instead of the checkpoint (default: the checkpoint)",
-    )
+    add_shared_arguments(parser, "projector_from", projector_from={"what": "Kimi projector"})
     parser.add_argument("--name", default=None, help="general.name in the file (default: the checkpoint's folder name)")
     return parser
 

@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="projected",
         help="merged encoder tokens, projected tokens, or both (default: projected)",
     )
+    add_shared_arguments(parser, "projector_from")
     add_shared_arguments(
         parser, "dtype", "max_patches_per_pack", dtype={"default": "bf16", "help": "compute and storage dtype"}
     )

@@ -38,13 +38,19 @@ def describe_run(run: ExportRun, models: Models, images: Sequence[InputImage], d
     does not tell a head count or a norm's eps). ``compute`` holds what the numbers depend on
     beyond the arguments (:func:`moonvit.runs.compute_facts`: threads, torch, device type, CPU
     kernel level, the host's bf16 units and Pillow) and the attention backend the encoder runs.
-    The number of ranks is not there: it does not change the output. Made of JSON types only
-    (lists, not tuples), so it compares equal to the file read back.
+    The number of ranks is not there: it does not change the output. ``checkpoint.sha256`` hashes the
+    encoder's and the projector's weights; ``checkpoint.projector_from`` names where the projector
+    came from when it is not the checkpoint (``--projector-from``; absent otherwise). Made of JSON
+    types only (lists, not tuples), so it compares equal to the file read back.
     """
     description = {
         "format": FORMAT,
         "moonvit_version": moonvit.__version__,
-        "checkpoint": {"path": source_label(run.checkpoint), "sha256": models.checkpoint_sha256},
+        "checkpoint": {
+            "path": source_label(run.checkpoint),
+            "sha256": models.checkpoint_sha256,
+            **({} if run.projector_from is None else {"projector_from": source_label(run.projector_from)}),
+        },
         "models": {
             "encoder": models.encoder.config.to_dict(),
             "projector": None if models.projector is None else models.projector.config.to_dict(),
@@ -248,7 +254,9 @@ def _export(
     images = inputs.images
     # on Ray the driver plans and writes, the actors encode: its own copy stays on the CPU
     here = torch.device("cpu") if run.engine == "ray" else device
-    models = load_models(run.checkpoint, run.kinds, torch_dtype(run.dtype), here, _processor_overrides(run), run.attn)
+    models = load_models(
+        run.checkpoint, run.kinds, torch_dtype(run.dtype), here, _processor_overrides(run), run.attn, run.projector_from
+    )
     smallest = models.encoder.config.tokens_per_merge
     if run.max_patches_per_pack < smallest:
         raise ExportError(f"--max-patches-per-pack {run.max_patches_per_pack} is below one merged token ({smallest})")

@@ -59,6 +59,9 @@ class ExportRun:
     """``--engine ray``: encoder actors (one GPU each on CUDA)."""
     ray_address: str | None = None
     """``--engine ray``: the cluster to join (``auto`` or ``host:port``); None starts a local Ray."""
+    projector_from: str | None = None
+    """Folder or hub id to read the projector from instead of ``checkpoint`` (a fine-tuned tower's folder
+    may hold none); None: the checkpoint's. ``run.json`` records it, its weights are in the hash."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -67,6 +70,13 @@ class ExportRun:
             raise ExportError("--encoder-actors and --ray-address are settings of --engine ray")
         if self.encoder_actors < 1:
             raise ExportError(f"--encoder-actors {self.encoder_actors}: expected at least 1")
+        if self.projector_from is not None and self.store == "merged":
+            raise ExportError(f"--projector-from is for projected tokens; --store {self.store} stores none")
+        if self.projector_from is not None and self.engine == "ray":
+            raise ExportError(
+                "--projector-from is not supported by --engine ray (its actors read the projector from "
+                "--checkpoint): save the projector into the checkpoint folder, or use --engine local"
+            )
 
     @property
     def kinds(self) -> tuple[str, ...]:
