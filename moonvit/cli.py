@@ -42,6 +42,7 @@ from .media.processor import ImageSizeError
 from .media.video import VideoNotSupportedError
 from .model.attention import AttentionUnavailableError, attention_names, check_attn_implementation
 from .onnx.export import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET
+from .weights.checkpoint import SAVE_LAYOUTS
 from .weights.hub import is_hub_id
 from .weights.storage import CheckpointError
 
@@ -61,6 +62,7 @@ __all__ = [
     "add_dtype_argument",
     "add_opset_argument",
     "add_projector_from_argument",
+    "add_save_layout_argument",
     "add_seed_argument",
     "add_shared_arguments",
     "add_side_limit_argument",
@@ -425,6 +427,18 @@ def add_projector_from_argument(
     )
 
 
+def add_save_layout_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--save-layout``: the layout a saved tower is written in (:meth:`moonvit.MoonViT.save_pretrained`)."""
+    parser.add_argument(
+        "--save-layout",
+        choices=SAVE_LAYOUTS,
+        default=SAVE_LAYOUTS[0],
+        help="own: this package's config.json and model.safetensors, the projector's files beside them; release: "
+        "the tower's release (Kimi-VL, Kimi-K2.5 / K2.6, Kimi K3, LocateAnything-3B): its config.json and tensor "
+        f"names, the projector's among them, for transformers, vLLM or SGLang (default: {SAVE_LAYOUTS[0]})",
+    )
+
+
 # ---- shared options, by name -------------------------------------------------------------------
 
 SHARED_OPTIONS: dict[str, Callable[..., None]] = {
@@ -439,6 +453,7 @@ SHARED_OPTIONS: dict[str, Callable[..., None]] = {
     "seed": add_seed_argument,
     "opset": add_opset_argument,
     "projector_from": add_projector_from_argument,
+    "save_layout": add_save_layout_argument,
 }
 """Each shared option by its ``dest``, the field name of the typed runs, with the function that adds it."""
 

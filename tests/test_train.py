@@ -588,3 +588,34 @@ def test_a_fine_tuned_release_tower_keeps_its_projector_and_exports_projected_to
         with torch.no_grad():
             expected = projector(encoder(batch.pixel_values, batch.grid_hws).merged)
         torch.testing.assert_close(item["projected"], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_save_layout_release_writes_the_fine_tuned_tower_in_its_releases_layout(tmp_path):
+    """``--save-layout release``: LocateAnything's config.json and tensor names, the tower the own layout
+    holds (the same run) and the source's projector, both read back by the release loaders."""
+    from moonvit.weights.storage import tensor_names
+    from projector import MoonViTProjector
+
+    source = release_folder("locateanything", tmp_path / "release")
+    own = fine_tune(source, tmp_path / "own")
+    release = fine_tune(source, tmp_path / "release-run", "--save-layout", "release")
+    config = json.loads((release / "config.json").read_text())
+    assert config["model_type"] == "locateanything" and not (release / "projector_config.json").exists()
+    assert {name.split(".")[0] for name in tensor_names(release)} == {"vision_model", "mlp1"}
+    tower, reference = MoonViT.from_pretrained(release), MoonViT.from_pretrained(own)
+    assert all(torch.equal(tower.state_dict()[k], v) for k, v in reference.state_dict().items())
+    projector, original = MoonViTProjector.from_pretrained(release), MoonViTProjector.from_pretrained(source)
+    assert all(torch.equal(projector.state_dict()[k], v) for k, v in original.state_dict().items())
+    assert MoonViTImageProcessor.from_pretrained(release) == MoonViTImageProcessor.from_pretrained(source)
+
+
+def test_a_tower_its_release_cannot_hold_is_one_line_and_saved_in_the_own_layout_after(tmp_path, capsys):
+    """A setting the release's config has no key for (here rope_theta) stops the export, naming it; the
+    same command with ``--save-layout own`` writes the trained tower from the saved final state."""
+    tower = MoonViT(preset_config("tiny", rope_theta=5000.0))
+    tower.save_pretrained(tmp_path / "tower")
+    with pytest.raises(SystemExit, match=r"--save-layout release: .*rope_theta 5000.0 reads back as 10000.0"):
+        fine_tune(tmp_path / "tower", tmp_path / "run", "--save-layout", "release")
+    saved = fine_tune(tmp_path / "tower", tmp_path / "run", "--save-layout", "own")
+    assert MoonViT.from_pretrained(saved).config.rope_theta == 5000.0
+    assert "resuming" not in capsys.readouterr().out  # no step was run again

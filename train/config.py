@@ -66,6 +66,7 @@ NOT_RUN_DEFINING = frozenset(
         "workers",
         "device",
         "save_every",
+        "save_layout",
         "evals",
         "progress",
         "peak_tflops",
@@ -146,6 +147,7 @@ class RuntimeSection:
     threads: int | None = None
     workers: int = 0
     save_every: int = 200
+    save_layout: str = "own"
     evals: int = 10
     progress: bool = True
     peak_tflops: float | None = None
@@ -441,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=200,
         help="checkpoint every N steps; 0: at the end only (default: 200)",
     )
+    add_shared_arguments(runtime, "save_layout")
     runtime.add_argument(
         "--evals", type=non_negative_int, default=10, help="validations spread over the run (default: 10)"
     )

@@ -261,14 +261,17 @@ class Trainer:
         return ["checkpoint", *adapter, *self.objective.save(out, parts["objective"])]
 
     def save_checkpoint(self, encoder: MoonViT, folder: Path) -> None:
-        """Write the trained ``encoder`` to ``folder`` in this package's format, with the processor's
+        """Write the trained ``encoder`` to ``folder`` in ``--save-layout``'s layout, with the processor's
         settings, a video tower's video rule (its source's: K3's 8 fps), and the projector of a
         ``--checkpoint`` that has one, unchanged: the tower's tokens still reach its language model through
-        it (this package's projector files beside the tower)."""
-        encoder.save_pretrained(folder)
-        projector = source_projector(self.config.model.checkpoint)
-        if projector is not None:
-            projector.save_pretrained(folder)
+        it (this package's projector files beside the tower, or the release's tensors)."""
+        projector, layout = source_projector(self.config.model.checkpoint), self.config.runtime.save_layout
+        try:
+            encoder.save_pretrained(folder, layout=layout, projector=projector)
+        except ValueError as error:  # a tower its release cannot hold as it is; the final state is saved
+            raise TrainError(
+                f"--save-layout {layout}: {error}; the same command with --save-layout own writes the trained tower"
+            ) from error
         self.processor.save_pretrained(folder)
         if encoder.config.max_frames > 1:
             video = video_processor_of(checkpoint=self.config.model.checkpoint, preset=self.config.model.preset)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -27,6 +27,9 @@ from .config import MoonViTConfig, preset_config
 from .grid import GridCache, GridInput, PackedGrid, build_packed_grid, check_pixel_shape, validate_grid_thws
 from .position import LearnablePositionTable
 from .rope import scale_query
+
+if TYPE_CHECKING:
+    from .projector import MoonViTProjector
 
 
 @dataclass
@@ -173,11 +176,21 @@ class MoonViT(nn.Module):
 
         return load_pretrained(cls, path, dtype=dtype, device=device, attn_implementation=attn_implementation)
 
-    def save_pretrained(self, path: str | Path) -> None:
-        """Write ``config.json`` and ``model.safetensors`` to the folder ``path``."""
+    def save_pretrained(
+        self, path: str | Path, *, layout: str = "own", projector: MoonViTProjector | None = None
+    ) -> None:
+        """Write the encoder (and ``projector``) to the folder ``path``.
+
+        ``layout="own"``: this package's ``config.json`` and ``model.safetensors`` (and the projector's
+        ``projector_config.json`` and ``projector.safetensors``). ``layout="release"``: its release's
+        layout (Kimi-VL, Kimi-K2.5 / K2.6, Kimi K3, or LocateAnything-3B with an ``mlp1`` projector):
+        the release's ``config.json`` and tensor names, the projector's among them, which
+        :meth:`from_pretrained` and :meth:`MoonViTProjector.from_pretrained` read back exactly (see
+        :mod:`moonvit.weights.release`). The processor's settings are its own ``save_pretrained``'s.
+        """
         from ..weights.checkpoint import save_pretrained
 
-        save_pretrained(self, path)
+        save_pretrained(self, path, layout, projector)
 
     # ---- properties -------------------------------------------------------------
     @property

@@ -14,7 +14,8 @@ its cache first, only the files needed), in safetensors or torch pickle files
   tensors under ``vision_model.``, beside its projector ``mlp1.*`` and the language model.
 - This project's own (also MoonViT-SO-400M's standalone layout): ``config.json``
   with the encoder fields at the top level and unprefixed tensor names in
-  ``model.safetensors``, which :func:`save_pretrained` writes.
+  ``model.safetensors``, which :func:`save_pretrained` writes (and, with ``layout="release"``,
+  the releases' layouts above: :mod:`.release`).
 
 Module names in :class:`~moonvit.model.encoder.MoonViT` equal Kimi-VL's names without
 the ``vision_tower.`` prefix, so the release layouts need no renaming.
@@ -35,14 +36,15 @@ import torch
 import torch.nn as nn
 
 from ..devices import check_device
-from ..files import folder_problem, save_safetensors_atomic
+from ..files import folder_problem
 from ..model.config import DictConfig, MoonViTConfig
 from .config_keys import warn_unread_keys
 from .formats import TOWER_PREFIXES, TensorSource, TowerLayout, detect_tower_layout, encoder_config_from_json
-from .storage import SINGLE_FILE, CheckpointError, open_tensor_file, read_json, tensor_files, tensor_names
+from .storage import CheckpointError, open_tensor_file, read_json, tensor_files, tensor_names, write_tensor_files
 
 if TYPE_CHECKING:
     from ..model.encoder import MoonViT
+    from ..model.projector import MoonViTProjector
     from .hub import HubSnapshot
 
 C = TypeVar("C", bound=DictConfig)
@@ -284,10 +286,34 @@ def update_weights_digest(digest: Any, module: nn.Module, prefix: str = "") -> N
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
-def save_pretrained(model: MoonViT, path: str | Path) -> None:
-    """Write the model's ``config.json`` and ``model.safetensors`` to the folder ``path``."""
+SAVE_LAYOUTS = ("own", "release")
+"""The layouts :func:`save_pretrained` writes."""
+
+
+def save_pretrained(
+    model: MoonViT, path: str | Path, layout: str = "own", projector: MoonViTProjector | None = None
+) -> None:
+    """Write the model (and ``projector``) to the folder ``path`` in ``layout``.
+
+    ``"own"``: this package's ``config.json`` and ``model.safetensors`` (the projector's own two files
+    beside them). ``"release"``: the release's ``config.json`` and tensor names, the projector's among
+    them (:func:`moonvit.weights.release.save_release`). Either way the tensor files of an earlier save
+    that these replace are removed (see :func:`~.storage.write_tensor_files`).
+
+    Raises:
+        ValueError: an unknown ``layout``, or a model its release cannot hold as it is.
+    """
+    if layout not in SAVE_LAYOUTS:
+        raise ValueError(f"layout {layout!r}: expected one of {', '.join(SAVE_LAYOUTS)}")
+    if layout == "release":
+        from .release import save_release  # it reads projectors, which build on this module
+
+        save_release(path, model, projector)
+        return
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     model.config.save(folder)
     state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
-    save_safetensors_atomic(state, folder / SINGLE_FILE)
+    write_tensor_files(folder, state, max_shard_bytes=None)
+    if projector is not None:
+        projector.save_pretrained(folder)

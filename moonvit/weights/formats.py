@@ -54,11 +54,15 @@ __all__ = [
     "BLOCK_RENAMES",
     "LOCATEANYTHING",
     "PROJECTOR_KEYS",
+    "RELEASE_FAMILIES",
     "TOWER_PREFIXES",
     "TensorSource",
     "TowerLayout",
     "detect_tower_layout",
     "encoder_config_from_json",
+    "encoder_config_to_json",
+    "permute_rope_rows",
+    "release_tower_layout",
     "unpermute_rope_rows",
 ]
 
@@ -121,10 +125,54 @@ _KIMI_VL_KEYS = {
         "hidden_size", "intermediate_size", "merge_kernel_size",
     )
 }  # fmt: skip
+# The switches K2.5's release config carries (K3's carries all of _K25_SWITCHES).
+_K25_RELEASE_SWITCHES = ("pos_emb_type", "merge_type", "video_attn_type")
+
+RELEASE_FAMILIES = ("kimi-vl", "kimi-k25", "kimi-k3", LOCATEANYTHING)
+"""The families whose release layout :func:`encoder_config_to_json` writes (names as
+:func:`encoder_config_from_json` returns them)."""
+# Each release's config.json: model_type and architectures at the top level.
+_RELEASE_MODELS = {
+    "kimi-vl": ("kimi_vl", "KimiVLForConditionalGeneration"),
+    "kimi-k25": ("kimi_k25", "KimiK25ForConditionalGeneration"),
+    "kimi-k3": ("kimi_k3", "KimiK3ForConditionalGeneration"),
+    LOCATEANYTHING: (LOCATEANYTHING, "LocateAnythingForConditionalGeneration"),
+}
 
 
 def _mapped(values: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
     return {ours: values[theirs] for theirs, ours in names.items() if theirs in values}
+
+
+def _unmapped(config: MoonViTConfig, names: dict[str, str]) -> dict[str, Any]:
+    """The inverse of :func:`_mapped`: the checkpoint's keys ``names`` of ``config``'s fields, as JSON
+    values (a None field left out: a missing key reads as None)."""
+    values = {theirs: getattr(config, ours) for theirs, ours in names.items()}
+    return {
+        key: list(value) if isinstance(value, tuple) else value for key, value in values.items() if value is not None
+    }
+
+
+def encoder_config_to_json(config: MoonViTConfig, family: str) -> dict[str, Any]:
+    """The tower's part of a ``family`` release's ``config.json`` (a name of :data:`RELEASE_FAMILIES`): the
+    top-level ``model_type`` and ``architectures``, and ``vision_config`` as the release nests it, its keys
+    the inverse of those :func:`encoder_config_from_json` reads for that family.
+
+    Fields the release has no key for (``rope_theta``, a K2.5 tower's ``layer_norm_eps``, ...) are not
+    written: read back, they take the family's value (:func:`moonvit.weights.release.save_release`
+    refuses a tower whose config does not read back as it is).
+    """
+    if family not in RELEASE_FAMILIES:
+        raise ValueError(f"no release layout for the family {family!r} (expected one of {', '.join(RELEASE_FAMILIES)})")
+    if family in ("kimi-vl", LOCATEANYTHING):
+        vision = {"model_type": "moonvit", **_unmapped(config, _KIMI_VL_KEYS)}
+    else:
+        switches = _K25_SWITCHES if family == "kimi-k3" else {k: _K25_SWITCHES[k] for k in _K25_RELEASE_SWITCHES}
+        vision = {**_unmapped(config, _K25_RELEASE_KEYS), **switches}
+        if family == "kimi-k3":
+            vision.update(_unmapped(config, _K3_KEYS))
+    model_type, architecture = _RELEASE_MODELS[family]
+    return {"model_type": model_type, "architectures": [architecture], "vision_config": vision}
 
 
 def encoder_config_from_json(values: dict[str, Any], where: str | Path) -> tuple[MoonViTConfig, str]:
@@ -183,14 +231,19 @@ def encoder_config_from_json(values: dict[str, Any], where: str | Path) -> tuple
 # ---- tensor layouts --------------------------------------------------------------------------
 
 
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
 @dataclass(frozen=True)
 class TensorSource:
     """Where one of the model's tensors comes from: one checkpoint tensor, or several
     concatenated along dim 0, each part first passed through its ``transforms`` entry
-    (a shape-preserving function, or None)."""
+    (a shape-preserving function, or None); ``inverses`` undo them, for writing
+    (:meth:`split`)."""
 
     names: tuple[str, ...]
-    transforms: tuple[Callable[[torch.Tensor], torch.Tensor] | None, ...] = ()
+    transforms: tuple[Transform | None, ...] = ()
+    inverses: tuple[Transform | None, ...] = ()
 
     def part_shape(self, wanted: Sequence[int]) -> tuple[int, ...]:
         """Each part's expected shape, for a model tensor of shape ``wanted``."""
@@ -201,6 +254,15 @@ class TensorSource:
         done = [part if fn is None else fn(part) for part, fn in zip(parts, transforms)]
         return done[0] if len(done) == 1 else torch.cat(done)
 
+    def split(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """The inverse of :meth:`combine`: the checkpoint's parts of the model tensor ``tensor``
+        (each (rows / len(names), ...) where there are several), in :attr:`names` order."""
+        if len(self.transforms) != len(self.inverses):
+            raise ValueError(f"{self.names}: a transform without its inverse cannot be written")
+        parts = list(tensor.chunk(len(self.names))) if len(self.names) > 1 else [tensor]
+        inverses = self.inverses or (None,) * len(parts)
+        return [part if fn is None else fn(part) for part, fn in zip(parts, inverses)]
+
 
 def unpermute_rope_rows(tensor: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo transformers' ``PermuteForRope`` on q or k rows (weight or bias): per head, rows laid
@@ -208,6 +270,14 @@ def unpermute_rope_rows(tensor: torch.Tensor, heads: int) -> torch.Tensor:
     rows = tensor.shape[0]
     half = rows // heads // 2
     return tensor.reshape(heads, 2, half, *tensor.shape[1:]).transpose(1, 2).reshape(tensor.shape)
+
+
+def permute_rope_rows(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of :func:`unpermute_rope_rows` (transformers' ``PermuteForRope``): per head, interleaved
+    (real, imaginary) row pairs to [real parts | imaginary parts]."""
+    rows = tensor.shape[0]
+    half = rows // heads // 2
+    return tensor.reshape(heads, half, 2, *tensor.shape[1:]).transpose(1, 2).reshape(tensor.shape)
 
 
 @dataclass(frozen=True)
@@ -234,6 +304,15 @@ class TowerLayout:
             return TensorSource((self.prefix + model_name,))
         return self._native(model_name)
 
+    def checkpoint_tensors(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors, by name, of a model state dict: the exact inverse of
+        :meth:`source` (parts split, permutations undone), so that loading them gives ``state`` back."""
+        tensors: dict[str, torch.Tensor] = {}
+        for model_name, tensor in state.items():
+            source = self.source(model_name)
+            tensors.update(zip(source.names, source.split(tensor)))
+        return tensors
+
     def _native(self, model_name: str) -> TensorSource:
         root = "model.vision_tower."
         if model_name == "patch_embed.pos_emb.weight":
@@ -250,9 +329,18 @@ class TowerLayout:
             def unpermute(t: torch.Tensor) -> torch.Tensor:
                 return unpermute_rope_rows(t, self.heads)
 
+            def permute(t: torch.Tensor) -> torch.Tensor:
+                return permute_rope_rows(t, self.heads)
+
             names = tuple(f"{layer}attn.{p}_proj.{kind}" for p in "qkv")
-            return TensorSource(names, (unpermute, unpermute, None))
+            return TensorSource(names, (unpermute, unpermute, None), (permute, permute, None))
         return TensorSource((f"{layer}{BLOCK_RENAMES[module]}.{kind}",))
+
+
+def release_tower_layout(family: str) -> TowerLayout:
+    """The layout a ``family`` release (a name of :data:`RELEASE_FAMILIES`) keeps its tower in:
+    ``vision_tower.`` + this package's names, ``vision_model.`` for LocateAnything."""
+    return TowerLayout("release", _LOCATEANYTHING_PREFIX if family == LOCATEANYTHING else TOWER_PREFIXES[0])
 
 
 def detect_tower_layout(names: Collection[str], family: str, heads: int) -> TowerLayout:

@@ -1,9 +1,11 @@
-"""Reading a :class:`~moonvit.model.projector.MoonViTProjector` from a checkpoint.
+"""Reading a :class:`~moonvit.model.projector.MoonViTProjector` from a checkpoint, and its part of a release.
 
 Layouts (how each release names the projector's modules), the configs of Kimi-VL,
 Kimi-K2.5, Kimi K3 and LocateAnything-3B read as a :class:`ProjectorConfig`, and
 :func:`load_projector`, which :meth:`MoonViTProjector.from_pretrained` calls. The
-layouts themselves are described in :mod:`moonvit.model.projector`.
+layouts themselves are described in :mod:`moonvit.model.projector`. For writing a release
+(:mod:`.release`): :func:`release_projector_layout` and :func:`projector_config_to_json`, the
+inverses of the same tables.
 """
 
 from __future__ import annotations
@@ -117,6 +119,13 @@ KIMI_LAYOUTS = (KIMI_VL_LAYOUT, KIMI_K25_LAYOUT, KIMI_K25_NATIVE_LAYOUT, KIMI_K2
 RELEASE_LAYOUTS = (*KIMI_LAYOUTS, LOCATEANYTHING_LAYOUT)
 LAYOUTS_OF_TYPE = {"kimi": KIMI_LAYOUTS[:4], "patchmergerv2": (KIMI_K3_LAYOUT,), "mlp1": (LOCATEANYTHING_LAYOUT,)}
 """The layouts a release config's projector type may be stored in."""
+RELEASE_PROJECTORS = {
+    ("kimi-vl", "kimi"): KIMI_VL_LAYOUT,
+    ("kimi-k25", "kimi"): KIMI_K25_LAYOUT,
+    ("kimi-k3", "patchmergerv2"): KIMI_K3_LAYOUT,
+    (LOCATEANYTHING, "mlp1"): LOCATEANYTHING_LAYOUT,
+}
+"""(release family, ``projector_type``) -> the layout that release keeps its projector in."""
 EXPECTED_TENSORS = {
     "kimi": "multi_modal_projector.* for Kimi-VL, mm_projector.* or model.mm_projector.* for Kimi-K2.5",
     "patchmergerv2": "mm_projector.proj.0, mm_projector.proj.2 and mm_projector.post_norm for Kimi K3",
@@ -233,3 +242,48 @@ def _find_kimi_projector(folder: Path, projector_type: str) -> tuple[Layout, dic
         f"{folder} holds no projector tensors ({EXPECTED_TENSORS[projector_type]})"
         + (f"; its projector tensors are {summarise_names(found)}" if found else "")
     )
+
+
+# ---- writing a release ----------------------------------------------------------------------
+
+
+def release_projector_layout(family: str, projector_type: str) -> Layout:
+    """The layout a ``family`` release (see :data:`~.formats.RELEASE_FAMILIES`) keeps a projector of
+    ``projector_type`` in.
+
+    Raises:
+        ValueError: no release pairs that tower family with that projector (a K2.5 tower with
+            LocateAnything's ``mlp1``, a LLaVA ``mlp2x_gelu`` projector anywhere), both named.
+    """
+    layout = RELEASE_PROJECTORS.get((family, projector_type))
+    if layout is None:
+        pairs = ", ".join(f"{tower} + {kind!r}" for tower, kind in RELEASE_PROJECTORS)
+        raise ValueError(f"no release holds a {family} tower with a {projector_type!r} projector (releases: {pairs})")
+    return layout
+
+
+def projector_config_to_json(config: ProjectorConfig, family: str) -> dict[str, Any]:
+    """The projector's part of a ``family`` release's ``config.json``: the keys :func:`_config_from_kimi`
+    reads, where that release keeps them (K2.5's and K3's ``mm_*`` fields inside ``vision_config``,
+    LocateAnything's ``mlp_connector_layers`` at the top level, the output width as
+    ``text_config.hidden_size``). Kimi-VL's and LocateAnything's configs hold no eps: theirs is 1e-5."""
+    release_projector_layout(family, config.projector_type)  # a pairing no release has is refused
+    values: dict[str, Any] = {"text_config": {"hidden_size": config.text_hidden_size}}
+    if family == LOCATEANYTHING:
+        values["mlp_connector_layers"] = 2
+    elif family in ("kimi-k25", "kimi-k3"):
+        kimi_type = {ours: theirs for theirs, ours in KIMI_PROJECTOR_TYPES.items()}[config.projector_type]
+        values["vision_config"] = {
+            "mm_projector_type": kimi_type,
+            "mm_hidden_size": config.vision_hidden_size,
+            "text_hidden_size": config.text_hidden_size,
+            "projector_hidden_act": "gelu",
+            "projector_ln_eps": config.layer_norm_eps,
+        }
+    return values
+
+
+def projector_config_from_json(values: dict[str, Any], folder: Path) -> ProjectorConfig:
+    """The projector config a release ``config.json`` (``values``, in ``folder``) reads as: what
+    :func:`load_projector` reads from a folder without :data:`CONFIG_FILE`."""
+    return _config_from_kimi(values, folder)

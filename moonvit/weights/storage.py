@@ -16,6 +16,10 @@ bytes only when it is asked for:
 
 An index's shard names are file names inside the folder: an absolute name, or one that climbs out
 with ``..``, is refused before any file is opened.
+
+:func:`write_tensor_files` writes a folder's tensors the same way: one ``model.safetensors``, or
+shards and their index past a size, each file atomically, and removes the safetensors files of an
+earlier save that the new ones replace (a stale index would otherwise be read in their place).
 """
 
 from __future__ import annotations
@@ -32,12 +36,15 @@ from typing import Any, Protocol
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..files import save_safetensors_atomic, write_text_atomic
+
 __all__ = [
     "BIN_FILE",
     "BIN_INDEX_FILE",
     "INDEX_FILE",
     "SINGLE_FILE",
     "CheckpointError",
+    "DEFAULT_MAX_SHARD_BYTES",
     "TensorFile",
     "open_tensor_file",
     "read_json",
@@ -45,6 +52,7 @@ __all__ = [
     "tensor_files",
     "tensor_names",
     "weight_files",
+    "write_tensor_files",
 ]
 
 SINGLE_FILE = "model.safetensors"
@@ -54,6 +62,8 @@ BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 WEIGHT_FILES = ((INDEX_FILE, SINGLE_FILE), (BIN_INDEX_FILE, BIN_FILE))
 """(index, single file) of each storage, in order of preference."""
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+"""The largest shard :func:`write_tensor_files` writes by default (transformers' 5 GB)."""
 
 
 class CheckpointError(ValueError):
@@ -250,3 +260,65 @@ def tensor_files(folder: Path, prefix: str | tuple[str, ...]) -> dict[Path, list
         raise CheckpointError(f"{folder} has none of {SINGLE_FILE}, {INDEX_FILE}, {BIN_FILE}, {BIN_INDEX_FILE}")
     with open_tensor_file(single) as f:
         return {single: [name for name in f.keys() if name.startswith(prefix)]}  # noqa: SIM118 (a TensorFile, not a dict)
+
+
+# ---- writing -----------------------------------------------------------------------------------------
+
+
+def write_tensor_files(
+    folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES
+) -> list[str]:
+    """Write ``tensors`` into ``folder`` as safetensors: one :data:`SINGLE_FILE` up to
+    ``max_shard_bytes`` (None: always), else ``model-0000k-of-0000n.safetensors`` shards of at most
+    that size each (a larger tensor alone in its shard), in the given order, and :data:`INDEX_FILE`
+    (``metadata.total_size``, ``weight_map``) written last.
+
+    Each file is written atomically; then the safetensors files of an earlier save that this one
+    does not rewrite (a single file, an index and its shards) are removed. Returns the names of the
+    files written, the index last.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    old = _safetensors_files(folder)
+    shards = _shard_groups(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_safetensors_atomic(tensors, folder / SINGLE_FILE)
+        written = [SINGLE_FILE]
+    else:
+        written = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+        weight_map = {}
+        for file_name, names in zip(written, shards):
+            save_safetensors_atomic({name: tensors[name] for name in names}, folder / file_name)
+            weight_map.update(dict.fromkeys(names, file_name))
+        total = sum(_nbytes(tensor) for tensor in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        write_text_atomic(folder / INDEX_FILE, json.dumps(index, indent=2) + "\n")
+        written.append(INDEX_FILE)
+    for stale in sorted(old - set(written), key=lambda name: name != INDEX_FILE):  # the index first
+        (folder / stale).unlink(missing_ok=True)
+    return written
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _shard_groups(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list[list[str]]:
+    """The names of ``tensors`` in order, cut into runs of at most ``max_bytes`` each (one run: None)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = _nbytes(tensor)
+        if max_bytes is not None and groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
+
+
+def _safetensors_files(folder: Path) -> set[str]:
+    """The safetensors storage a folder holds now: its single file, its index and the index's shards."""
+    found = {name for name in (SINGLE_FILE, INDEX_FILE) if (folder / name).is_file()}
+    if INDEX_FILE in found:
+        found |= {name for name in set(read_weight_map(folder / INDEX_FILE).values()) if (folder / name).is_file()}
+    return found
