@@ -202,6 +202,7 @@ class TrainConfig:
             "betas": optim.betas,
             "layer_decay": optim.layer_decay,
             "clip_grad": optim.clip_grad,
+            "ema": optim.ema,
             "dtype": runtime.dtype,
             "fsdp": runtime.fsdp,
             **{
@@ -431,6 +432,14 @@ def build_parser() -> argparse.ArgumentParser:
             "help": "autocast dtype of forward and backward (weights stay fp32)",
             "choices": ("bf16", "fp32"),
         },
+    )
+    optim.add_argument(
+        "--ema",
+        type=fraction,
+        metavar="DECAY",
+        help="keep a moving average of the trained weights, e.g. 0.999 per step (warmed up: at most "
+        "(1 + n) / (10 + n) at update n); validation, the test split, the probe and the saved checkpoint "
+        "use it, and the state keeps both (default: none)",
     )
     optim.add_argument("--fsdp", action="store_true", help="under torchrun: shard weights with FSDP2 instead of DDP")
 

@@ -193,7 +193,8 @@ def run(config: TrainConfig, ranks: Ranks, device: torch.device) -> dict[str, An
             )
             bar.update()
             if trainer.step in eval_steps:
-                validation = validate(trainer)
+                with trainer.averaged():  # with --ema, the weights the run saves
+                    validation = validate(trainer)
                 log.write(validation)
                 if ranks.is_main:
                     bar.write(f"step {trainer.step}: validation " + _summary(validation))
@@ -294,13 +295,15 @@ def probe(config: TrainConfig) -> dict[str, Any]:
 
 
 def finish(trainer: Trainer) -> dict[str, Any]:
-    """Export, score the test split once (where there is one), probe, write results.json and the curves."""
+    """Export, score the test split once (where there is one), probe, write results.json and the curves;
+    with ``--ema``, all of it on the moving average of the weights."""
     config, out, ranks, data = trainer.config, trainer.config.run.out, trainer.ranks, trainer.data
-    files = trainer.export()
-    if draw(trainer, out / "pictures.png"):
-        files.append("pictures.png")
-    val, _ = evaluate(trainer, data.val)
-    test_outputs = None if data.test is None else evaluate(trainer, data.test, outputs=True)[1]
+    with trainer.averaged():
+        files = trainer.export()
+        if draw(trainer, out / "pictures.png"):
+            files.append("pictures.png")
+        val, _ = evaluate(trainer, data.val)
+        test_outputs = None if data.test is None else evaluate(trainer, data.test, outputs=True)[1]
     if not ranks.is_main:
         return {}
     test = None

@@ -30,7 +30,8 @@ class OptimConfig:
 
     ``head_lr``: peak rate of the objective's own parameters (None: ``lr``, see :attr:`objective_lr`);
     ``warmup``: linear warmup share of the steps; ``min_lr_ratio``: final rate / peak rate;
-    ``clip_grad``: gradient norm clip (0: off).
+    ``clip_grad``: gradient norm clip (0: off); ``ema``: decay of the moving average of the trained
+    weights (:mod:`train.ema`; None: none kept).
     """
 
     lr: float
@@ -41,6 +42,7 @@ class OptimConfig:
     min_lr_ratio: float = 0.01
     warmup: float = 0.05
     clip_grad: float = 1.0
+    ema: float | None = None
 
     @property
     def objective_lr(self) -> float:

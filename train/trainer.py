@@ -35,6 +35,7 @@ from .build import RunPlan, TrainError
 from .checkpoint import rng_states, set_rng_states
 from .config import TrainConfig
 from .data import TrainingData
+from .ema import WeightEMA
 from .objectives import Objective
 from .optim import build_optimizer, build_schedule, param_groups
 from .parallel import Parallel, TrainModule
@@ -75,17 +76,24 @@ class Trainer:
         self.saved_step: int | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.schedule: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.ema: WeightEMA | None = None
         self.plan_state: Any = None  # the plan's position after the last step's packs, when drawn ahead
 
     # ---- set-up -------------------------------------------------------------------------------
 
     def start(self, total: int) -> None:
-        """Optimizer and schedule for ``total`` steps."""
+        """Optimizer and schedule for ``total`` steps, and the moving average of the weights (``--ema``)."""
         self.total = total
         optim = self.config.optim
         self.optimizer = build_optimizer(param_groups(self.encoder, self.objective, optim), optim, self.device)
         warmup = max(1, round(optim.warmup * total))
         self.schedule = build_schedule(self.optimizer, total, warmup, optim.min_lr_ratio)
+        if optim.ema is not None:
+            self.ema = WeightEMA(self.parallel.module, optim.ema)
+
+    def averaged(self) -> contextlib.AbstractContextManager:
+        """Within it the model holds the moving average of its weights (with ``--ema``; else as it is)."""
+        return contextlib.nullcontext() if self.ema is None else self.ema.swapped()
 
     def my_share(self, packs: Sequence[PlannedPack]) -> list[tuple[int, PlannedPack]]:
         """(index in the step, pack) of the packs this rank runs."""
@@ -110,6 +118,7 @@ class Trainer:
             "calibration": dict(self.calibration),
             "model": self.parallel.model_state(),
             "optimizer": self.parallel.optimizer_state(self.optimizer),
+            "ema": self._ema_state(),
             "schedule": self.schedule.state_dict(),
             "plan": self.plan.packer.state_dict() if self.plan_state is None else self.plan_state,
             "rng": rng_states(),
@@ -122,6 +131,12 @@ class Trainer:
         assert self.optimizer is not None and self.schedule is not None
         self.parallel.load_model_state(state["model"])
         self.parallel.load_optimizer_state(self.optimizer, state["optimizer"])
+        if self.ema is not None:
+            # Loaded into the parameters while they are swapped with the averages: swapped back, the
+            # saved averages are the averages (sharded as the parameters are, for any world size).
+            with self.ema.swapped():
+                self.parallel.load_model_state({**state["model"], **state["ema"]["weights"]})
+            self.ema.updates = state["ema"]["updates"]
         self.schedule.load_state_dict(state["schedule"])
         self.plan.packer.load_state_dict(state["plan"])
         set_rng_states(state["rng"])
@@ -129,6 +144,16 @@ class Trainer:
         self.calibration = dict(state.get("calibration") or {})
         self.warnings = list(state.get("warnings") or [])
         self.saved_step = self.step
+
+    def _ema_state(self) -> dict[str, Any] | None:
+        """The moving averages by parameter name, gathered (every rank takes part), and their update count."""
+        if self.ema is None:
+            return None
+        with self.ema.swapped():
+            state = self.parallel.model_state()  # unsharded, the parameters themselves: copied before the swap back
+            # (gathered from FSDP2's shards, the full state is the main rank's only)
+            weights = {name: state[name].clone() for name in self.ema.names if name in state}
+        return {"updates": self.ema.updates, "weights": weights}
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -189,6 +214,8 @@ class Trainer:
         if not (math.isfinite(stats["loss"]) and math.isfinite(grad_norm)):
             raise TrainError(self._non_finite_message(stats["loss"], grad_norm))
         self.optimizer.step()
+        if self.ema is not None:
+            self.ema.update()
         self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.objective.after_step()
