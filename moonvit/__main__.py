@@ -20,6 +20,7 @@ from PIL import Image
 from . import __version__
 from .cli import (
     ENCODER_OPTIONS,
+    ArgumentParser,
     add_checkpoint_argument,
     add_shared_arguments,
     apply_threads,
@@ -83,7 +84,7 @@ def sample_clip() -> VideoFrames:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m moonvit", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m moonvit", description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group()
     add_checkpoint_argument(source)
     source.add_argument(
@@ -131,8 +132,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    with one_line_warnings(), exit_on(parser):
-        run(args)
+    written: list[Path] = []
+    with one_line_warnings(), exit_on(parser, kept=lambda: kept_outputs(written), writing=args.out):
+        run(args, written)
+
+
+def kept_outputs(written: list[Path]) -> str:
+    """What Ctrl-C keeps: nothing until every input is encoded, then each output written so far,
+    whole (every file is written atomically)."""
+    if not written:
+        return "nothing was written (the outputs are written once every input is encoded)"
+    return (
+        f"{len(written)} output{'s' * (len(written) != 1)} written whole, the last {written[-1]}; "
+        "the same command writes them all again"
+    )
 
 
 def expand_folders(paths: list[Path] | None, extensions: frozenset[str], what: str) -> list[Path]:
@@ -152,8 +165,10 @@ def expand_folders(paths: list[Path] | None, extensions: frozenset[str], what: s
     return files
 
 
-def run(args: argparse.Namespace) -> None:
-    """Encode, then write: nothing is written unless every image was encoded."""
+def run(args: argparse.Namespace, written: list[Path] | None = None) -> None:
+    """Encode, then write: nothing is written unless every image was encoded; each output written
+    whole is added to ``written``."""
+    written = [] if written is None else written
     apply_threads(args.threads)
     dtype = torch_dtype(args.dtype)
     resolve_attn_implementation(args.attn, torch.device(args.device), dtype)  # one line if it cannot run here
@@ -237,6 +252,7 @@ def run(args: argparse.Namespace) -> None:
         processor.save_pretrained(args.save_checkpoint)
         if takes_video:  # the folder keeps its video rule (K3: 8 fps, its frame and video budgets)
             video_processor.save_pretrained(args.save_checkpoint)
+        written.append(args.save_checkpoint)
     if args.save_images:
         names = unique_names([str(PurePosixPath(key).with_suffix(".png")) for key in images])
         image_entries = [entry for entry in summary if "video" not in entry]
@@ -246,14 +262,17 @@ def run(args: argparse.Namespace) -> None:
             with atomic_path(target) as temporary:
                 processor.load_image(image).save(temporary, format="PNG")
             entry["saved_as"] = name
+            written.append(target)
     args.out.mkdir(parents=True, exist_ok=True)
     save_safetensors_atomic(
         {s["image"]: r.tokens.float() for s, r in zip(summary, results)}, args.out / "merged.safetensors"
     )
+    written.append(args.out / "merged.safetensors")
     write_text_atomic(
         args.out / "summary.json",
         json.dumps({"source": source, "dtype": args.dtype, "images": summary}, indent=2) + "\n",
     )
+    written.append(args.out / "summary.json")
     print(f"merged tokens (n, 4, D) per image written to {args.out / 'merged.safetensors'}")
 
 

@@ -8,10 +8,12 @@ long names ``bfloat16``, ``float32``, ... accepted and printed short),
 has no CUDA), ``--threads``, ``--max-patches-per-pack``, ``--checkpoint`` (a
 folder or a hub id), ``--seed``, ``--side-limit-mode``, ``--attn`` and ``--opset``. Every number and path
 has a checking type here: argument types raise ``argparse.ArgumentTypeError``, so
-a bad value ends in one usage line and exit status 2 before any work starts.
+a bad value ends in one usage line and exit status 2 before any work starts (each command's
+parser is an :class:`ArgumentParser`: its usage errors are one line, without the usage block).
 
-What can only fail later (a corrupt checkpoint, an unreadable image) ends in one
-``error:`` line and exit status 1 through :func:`exit_on`, and warnings print as
+What can only fail later (a corrupt checkpoint, an unreadable image, a full disk) ends in one
+``error:`` line and exit status 1 through :func:`exit_on`, Ctrl-C in one ``interrupted:`` line
+saying what was kept and exit status 130, and warnings print as
 one ``warning:`` line each (:func:`one_line_warnings`), not with a source line.
 
 A command takes these by name (:func:`add_shared_arguments`, the names of :data:`SHARED_OPTIONS`;
@@ -30,12 +32,12 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch
 
 from .devices import check_device
-from .files import folder_problem
+from .files import disk_full_error, folder_problem
 from .media.image import ImageLoadError, decompression_bombs_raised
 from .media.packing import DEFAULT_MAX_PATCHES_PER_PACK
 from .media.processor import ImageSizeError
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DTYPES",
+    "ArgumentParser",
     "ENCODER_OPTIONS",
     "MIN_PATCH_BUDGET",
     "NOTICE_LOGGERS",
@@ -129,6 +132,23 @@ def dtype_name(text: str) -> str:
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of any accepted spelling."""
     return DTYPES[dtype_name(name)]
+
+
+# ---- the parser ----------------------------------------------------------------------------------
+
+_MISSING_ARGUMENTS = ("the following arguments are required", "one of the arguments")
+"""How argparse's messages for missing required arguments begin."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose usage errors are one line, ``prog: error: message``, with exit
+    status 2: no usage block before it (the trainer's is over 30 lines). A missing required argument
+    adds where the options are listed (``see prog --help``)."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith(_MISSING_ARGUMENTS):
+            message += f"; see {self.prog} --help"
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 # ---- numbers -----------------------------------------------------------------------------------
@@ -494,11 +514,21 @@ def typed_run(cls: type[Run], args: argparse.Namespace, **values: Any) -> Run:
 
 
 @contextmanager
-def exit_on(parser: argparse.ArgumentParser, *errors: type[Exception]) -> Iterator[None]:
+def exit_on(
+    parser: argparse.ArgumentParser,
+    *errors: type[Exception],
+    kept: Callable[[], str] | None = None,
+    writing: Path | None = None,
+) -> Iterator[None]:
     """Turn the package's user-facing errors (:class:`CheckpointError`, :class:`ImageLoadError`,
     :class:`ImageSizeError`, :class:`AttentionUnavailableError`, :class:`VideoNotSupportedError` and
-    ``errors``) into one
-    ``prog: error: ...`` line on stderr and exit status 1."""
+    ``errors``) into one ``prog: error: ...`` line on stderr and exit status 1.
+
+    A full disk, in whatever form the writer reported it (:func:`moonvit.files.disk_full_error`), is
+    one such line too, naming the path being written (``writing`` where the error names none). With
+    ``kept``, Ctrl-C is one ``prog: interrupted: ...`` line, ``kept()`` saying what the command kept
+    and how to go on, and exit status 130 (the shell's for a command ended by SIGINT); without it,
+    Ctrl-C is not caught here."""
     caught: tuple[type[Exception], ...] = (
         CheckpointError,
         ImageLoadError,
@@ -511,6 +541,15 @@ def exit_on(parser: argparse.ArgumentParser, *errors: type[Exception]) -> Iterat
         yield
     except caught as error:
         parser.exit(1, f"{parser.prog}: error: {error}\n")
+    except Exception as error:
+        full = disk_full_error(error, writing)
+        if full is None:
+            raise
+        parser.exit(1, f"{parser.prog}: error: {full}\n")
+    except KeyboardInterrupt:
+        if kept is None:
+            raise
+        parser.exit(130, f"{parser.prog}: interrupted: {kept()}\n")
 
 
 @contextmanager

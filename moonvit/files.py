@@ -3,8 +3,10 @@ media files below a folder."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import shutil
 import tempfile
 from collections import Counter
 from collections.abc import Collection, Iterator
@@ -15,7 +17,9 @@ import torch
 from safetensors.torch import save_file
 
 __all__ = [
+    "DiskFullError",
     "atomic_path",
+    "disk_full_error",
     "files_below",
     "folder_problem",
     "save_safetensors_atomic",
@@ -23,6 +27,62 @@ __all__ = [
     "skipped_line",
     "write_text_atomic",
 ]
+
+
+class DiskFullError(OSError):
+    """A write that ran out of room: no space left on the disk (``ENOSPC``) or the user's quota used
+    up (``EDQUOT``). Its text is the one line a command prints: the path being written, the space
+    left on its disk, and what to do."""
+
+    def __init__(self, path: str | os.PathLike | None, code: int = errno.ENOSPC) -> None:
+        super().__init__(code, os.strerror(code), None if path is None else str(path))
+        self.path = None if path is None else Path(path)
+        self.code = code
+
+    def __reduce__(self) -> tuple[type[DiskFullError], tuple[Path | None, int]]:
+        return DiskFullError, (self.path, self.code)
+
+    def __str__(self) -> str:
+        what = "no space left" if self.code == errno.ENOSPC else "the disk quota is used up"
+        where = (
+            "on a disk this command writes to"
+            if self.path is None
+            else f"on the disk holding {self.path} ({_free_space(self.path)} free)"
+        )
+        return f"{what} {where}: free space and run the same command again"
+
+
+_FULL_CODES = (errno.ENOSPC, errno.EDQUOT)
+_FULL_MESSAGES = {
+    "unexpected pos": errno.ENOSPC,  # torch.save's zip writer when a write comes up short
+    "PytorchStreamWriter failed writing file": errno.ENOSPC,
+    os.strerror(errno.ENOSPC): errno.ENOSPC,  # safetensors' and other libraries' wrapped OS errors
+    os.strerror(errno.EDQUOT): errno.EDQUOT,
+}
+
+
+def disk_full_error(error: BaseException, path: str | os.PathLike | None = None) -> DiskFullError | None:
+    """``error`` as a :class:`DiskFullError` when it is a write that ran out of room (an ``OSError``
+    with ``ENOSPC`` or ``EDQUOT``, ``torch.save``'s ``RuntimeError`` on a short write, safetensors'
+    error wrapping ``ENOSPC``), else None. ``path``: the file being written, where ``error`` names none."""
+    if isinstance(error, DiskFullError):
+        return error
+    if isinstance(error, OSError) and error.errno in _FULL_CODES:
+        return DiskFullError(error.filename or path, error.errno)
+    if isinstance(error, OSError):
+        return None
+    text = str(error)
+    code = next((code for message, code in _FULL_MESSAGES.items() if message in text), None)
+    return None if code is None else DiskFullError(path, code)
+
+
+def _free_space(path: Path) -> str:
+    """The space left on the disk holding ``path`` (its nearest existing folder), in MiB."""
+    folder = next((p for p in (path, *path.parents) if p.exists()), None)
+    if folder is None:
+        return "unknown space"
+    free = shutil.disk_usage(folder).free / 2**20
+    return f"{free:.1f} MiB" if free < 10 else f"{free:.0f} MiB"
 
 
 @contextmanager
@@ -35,17 +95,36 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     ``open(path, "w")`` gives (``0o666`` less the umask), whatever the writer did to the
     temporary (``mkstemp`` and safetensors' own temporary are private). A crash (or an
     exception) leaves ``path`` as it was, at worst with a stray ``.<name>.*.tmp`` file beside it.
+
+    Raises:
+        DiskFullError: the disk (or the quota) ran out of room while writing, in whatever form
+            the writer reported it; the temporary is removed first, and ``path`` is as it was.
     """
     target = Path(path)
-    descriptor, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        descriptor, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as error:
+        _raise_if_full(error, target)
+        raise
     os.close(descriptor)
     temporary = Path(name)
     try:
         yield temporary
         os.chmod(temporary, 0o666 & ~_umask())
         os.replace(temporary, target)
+    except Exception as error:
+        temporary.unlink(missing_ok=True)  # before the free space is measured
+        _raise_if_full(error, target)
+        raise
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def _raise_if_full(error: Exception, path: Path) -> None:
+    """Raise ``error`` as a :class:`DiskFullError` naming ``path`` (not a temporary) when it is a full disk's."""
+    full = disk_full_error(error)
+    if full is not None and full.path != path:
+        raise DiskFullError(path, full.code) from error
 
 
 def _umask() -> int:

@@ -1,3 +1,10 @@
+"""``python -m train``: the trainer (:func:`train.loop.main`); a full disk is one ``error:`` line
+(:func:`moonvit.cli.exit_on`), naming the file being written."""
+
+from moonvit.cli import ArgumentParser, exit_on
+
+from .config import PROG
 from .loop import main
 
-main()
+with exit_on(ArgumentParser(prog=PROG)):
+    main()

@@ -1,8 +1,9 @@
 """The trainer's command line and the typed :class:`TrainConfig` it becomes.
 
 Every flag goes through the package's vocabulary (:mod:`moonvit.cli`), so bad values end at parse
-time. ``--smoke`` fills in its settings, and the objective its defaults (``--betas``,
-``--drop-path``: MAE pretrains with (0.9, 0.95) and no stochastic depth) and its own options.
+time. ``--smoke`` fills in its settings (and, alone, the required arguments: :data:`SMOKE_DEFAULTS`),
+and the objective its defaults (``--betas``, ``--drop-path``: MAE pretrains with (0.9, 0.95) and no
+stochastic depth) and its own options.
 
 Flags that change what is trained (data, model, recipe, length, seed) are *run-defining*: rerunning
 into an ``--out`` that holds a run started with other values is refused, naming the flag. The
@@ -24,6 +25,7 @@ import moonvit
 from eval.datasets import DEFAULT_FASHION_MNIST_DIR
 from moonvit.cli import (
     ENCODER_OPTIONS,
+    ArgumentParser,
     add_checkpoint_argument,
     add_shared_arguments,
     drop_rate,
@@ -47,7 +49,9 @@ from .plan import TokenDrop
 
 __all__ = [
     "NOT_RUN_DEFINING",
+    "PROG",
     "SMOKE",
+    "SMOKE_DEFAULTS",
     "DataSection",
     "ModelSection",
     "RunSection",
@@ -76,8 +80,18 @@ NOT_RUN_DEFINING = frozenset(
 )
 """Arguments that may differ between a run and its resumption (they do not change the weights)."""
 
+PROG = "python -m train"
+
 SMOKE = {"steps": 30, "eval_limit": 256, "evals": 2}
 """What ``--smoke`` sets: 30 steps (unless a length is given) and evaluations on at most 256 images."""
+
+SMOKE_DEFAULTS = {"objective": "supervised", "preset": "tiny", "dataset": "digits", "out": "runs/smoke"}
+"""What ``--smoke`` takes for the arguments a run otherwise requires, where the command gives none:
+``python -m train --smoke`` alone trains the tiny preset on scikit-learn's digits (bundled, offline)."""
+
+SMOKE_DIGITS = {"resolution": [28], "batch_patches": 1024}
+"""With the digits ``--smoke`` chose, where the command leaves them at their defaults: the 8x8 images at
+28 px (2x2 patches) in 1024-patch packs, a run that learns in its 30 steps (top-1 about 0.5, chance 0.1)."""
 
 
 @dataclass(frozen=True)
@@ -228,16 +242,18 @@ def lora_targets(text: str) -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m train",
+    parser = ArgumentParser(
+        prog=PROG,
         description="Train a MoonViT encoder on packed native-resolution images. Rerunning the same command "
         "resumes from the last checkpoint in --out.",
         epilog="Data-parallel: torchrun --nproc-per-node K -m train ... (gloo on CPU, NCCL on GPUs; each rank "
         "takes its share of every step's packs).",
     )
     run = parser.add_argument_group("run")
-    run.add_argument("--objective", required=True, choices=sorted(OBJECTIVES), help="what the encoder learns")
-    run.add_argument("--out", type=output_dir, required=True, help="output folder (resumed if it holds this run)")
+    # --objective, --out, --preset / --checkpoint and --dataset are required unless --smoke gives them
+    # (SMOKE_DEFAULTS); parse_args checks them
+    run.add_argument("--objective", choices=sorted(OBJECTIVES), help="what the encoder learns (required)")
+    run.add_argument("--out", type=output_dir, help="output folder, resumed if it holds this run (required)")
     length = run.add_mutually_exclusive_group()
     length.add_argument("--steps", type=positive_int, help="optimizer steps")
     length.add_argument(
@@ -250,11 +266,18 @@ def build_parser() -> argparse.ArgumentParser:
         "the final test evaluation and export come after)",
     )
     add_shared_arguments(run, "seed", seed={"help": "seed of initialisation, plan, augmentation"})
-    run.add_argument("--smoke", action="store_true", help="a quick end-to-end check: 30 steps, small evaluations")
+    run.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a quick end-to-end check: 30 steps, small evaluations; alone, the required arguments default to "
+        + " ".join(f"--{name} {value}" for name, value in SMOKE_DEFAULTS.items()),
+    )
 
     model = parser.add_argument_group("model")
-    source = model.add_mutually_exclusive_group(required=True)
-    source.add_argument("--preset", choices=sorted(moonvit.PRESETS), help="a randomly initialised encoder size")
+    source = model.add_mutually_exclusive_group()
+    source.add_argument(
+        "--preset", choices=sorted(moonvit.PRESETS), help="a randomly initialised encoder size (or --checkpoint)"
+    )
     add_checkpoint_argument(
         source, "start from this tower: a checkpoint folder (any format the package reads) or hub id"
     )
@@ -318,8 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     data = parser.add_argument_group("data")
     data.add_argument(
         "--dataset",
-        required=True,
-        help="fashion-mnist, digits, imagefolder:DIR (labelled: one folder per class; its train split) or "
+        help="(required) fashion-mnist, digits, imagefolder:DIR (labelled: one folder per class; its train split) or "
         "images:DIR (every image below DIR, no labels: self-supervised objectives)",
     )
     data.add_argument(
@@ -471,6 +493,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     the objective its defaults. Errors exit with status 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    _required_arguments(parser, args)
     if len(args.resolution) > 2:
         parser.error(f"--resolution takes MIN [MAX], got {len(args.resolution)} values")
     low, high = args.resolution * (2 if len(args.resolution) == 1 else 1)
@@ -537,6 +560,35 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         options=objective.options_from(args),
     )
     return objective.check_config(config, parser.error)
+
+
+def _required_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Give ``--smoke`` its :data:`SMOKE_DEFAULTS` for the required arguments the command leaves out (and
+    say which it took); without ``--smoke``, refuse a command that leaves any out, in one line."""
+    missing = {
+        "objective": args.objective is None,
+        "out": args.out is None,
+        "preset": args.preset is None and args.checkpoint is None,
+        "dataset": args.dataset is None,
+    }
+    names = [name for name, absent in missing.items() if absent]
+    if not names:
+        return
+    if not args.smoke:
+        flags = ", ".join("--preset or --checkpoint" if name == "preset" else f"--{name}" for name in names)
+        parser.error(f"the following arguments are required: {flags} (or --smoke alone, a quick check)")
+    taken: dict[str, Any] = {name: SMOKE_DEFAULTS[name] for name in names}
+    if "dataset" in taken:
+        taken |= {
+            name: value for name, value in SMOKE_DIGITS.items() if getattr(args, name) == parser.get_default(name)
+        }
+    for name, value in taken.items():
+        setattr(args, name, output_dir(value) if name == "out" else value)
+    shown = " ".join(
+        f"--{name.replace('_', '-')} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+        for name, value in taken.items()
+    )
+    print(f"{PROG} --smoke: {shown}", flush=True)
 
 
 def _lora_defaults(args: argparse.Namespace) -> dict[str, Any]:

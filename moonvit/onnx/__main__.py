@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..cli import (
+    ArgumentParser,
     add_checkpoint_argument,
     add_dtype_argument,
     add_opset_argument,
@@ -25,6 +28,7 @@ from ..cli import (
     output_file,
     torch_dtype,
 )
+from ..files import disk_full_error
 from ..model.encoder import MoonViT
 from .export import OnnxUnavailableError, compare_with_model, export_onnx, output_names
 from .inputs import input_names
@@ -41,7 +45,7 @@ class ParityError(RuntimeError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m moonvit.onnx",
         description=__doc__.split("\n")[0],
         epilog="The graph takes moonvit.onnx.onnx_inputs(config, pixel_values, grid_hws).",
@@ -75,8 +79,11 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
         from ..model.projector import MoonViTProjector
 
         projector = MoonViTProjector.from_pretrained(args.checkpoint, dtype=dtype, device="cpu")
+    # the export takes seconds to minutes: say what runs before it
+    print(f"exporting {args.checkpoint} to {args.out} ({args.dtype}, opset {args.opset})", flush=True)
     start = time.perf_counter()
-    path = export_onnx(encoder, args.out, projector, opset=args.opset)
+    with removed_unless_finished(args.out):
+        path = export_onnx(encoder, args.out, projector, opset=args.opset)
     summary: dict[str, Any] = {
         "path": str(path),
         "seconds": round(time.perf_counter() - start, 1),
@@ -93,6 +100,47 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
     if not args.no_check:
         summary["check"] = check(path, encoder, projector, args.dtype)
     return summary
+
+
+def graph_files(path: Path) -> dict[Path, tuple[int, int, int] | None]:
+    """The graph's files (``path`` and its ``.data`` beside it), each with its (inode, mtime, size) or None:
+    what tells a file written since from one that was there before."""
+
+    def signature(file: Path) -> tuple[int, int, int] | None:
+        try:
+            info = file.stat()
+        except FileNotFoundError:
+            return None
+        return info.st_ino, info.st_mtime_ns, info.st_size
+
+    return {file: signature(file) for file in (path, path.with_name(path.name + ".data"))}
+
+
+def written_since(before: dict[Path, tuple[int, int, int] | None]) -> list[Path]:
+    """The files of :func:`graph_files` written (created or changed) since ``before`` was taken."""
+    now = graph_files(next(iter(before)))
+    return [file for file, signature in now.items() if signature is not None and signature != before[file]]
+
+
+@contextmanager
+def removed_unless_finished(path: Path) -> Iterator[None]:
+    """Remove the graph files written in the block when Ctrl-C or a full disk cuts it short: no partly
+    written graph is left looking whole. A file from before, not yet overwritten, is kept."""
+    before = graph_files(path)
+    try:
+        yield
+    except BaseException as error:
+        if isinstance(error, KeyboardInterrupt) or disk_full_error(error) is not None:
+            for file in written_since(before):
+                file.unlink()
+        raise
+
+
+def kept_graph(path: Path, before: dict[Path, tuple[int, int, int] | None]) -> str:
+    """What Ctrl-C keeps: the graph once written whole (its check against PyTorch cut short), else nothing."""
+    if path in written_since(before):
+        return f"{path} is written whole; its check against PyTorch was cut short (the same command runs both again)"
+    return f"nothing was written to {path}"
 
 
 def check(path: Any, encoder: MoonViT, projector: Any, dtype: str) -> dict[str, float] | None:
@@ -126,7 +174,9 @@ def check(path: Any, encoder: MoonViT, projector: Any, dtype: str) -> dict[str, 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = build_parser()
     args = parser.parse_args(argv)
-    with one_line_warnings(), exit_on(parser, OnnxUnavailableError, ParityError):
+    before = graph_files(args.out)
+    errors = (OnnxUnavailableError, ParityError)
+    with one_line_warnings(), exit_on(parser, *errors, kept=lambda: kept_graph(args.out, before), writing=args.out):
         return export(args)
 
 

@@ -10,6 +10,7 @@ import torch
 
 from moonvit.cli import (
     ENCODER_OPTIONS,
+    ArgumentParser,
     add_checkpoint_argument,
     add_shared_arguments,
     device_name,
@@ -23,7 +24,7 @@ from moonvit.cli import (
 )
 from moonvit.model.attention import resolve_attn_implementation
 
-from .run import export
+from .run import export, kept_shards
 from .settings import ENGINES, STORES, ExportError, ExportRun
 
 __all__ = ["build_parser", "export_run", "main"]
@@ -32,7 +33,7 @@ DESCRIPTION = "Pre-compute the visual tokens of a whole image collection, for LL
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m projector.export",
         description=DESCRIPTION,
         epilog="Data-parallel: torchrun --nproc-per-node K -m projector.export ...; "
@@ -116,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             device_name(args.device)
         except argparse.ArgumentTypeError as error:
             parser.error(f"argument --device: {error}")
-    with one_line_warnings(), exit_on(parser, ExportError):
+    # Ctrl-C (either engine): one line naming the finished shards, which the same command keeps
+    with one_line_warnings(), exit_on(parser, ExportError, kept=lambda: kept_shards(args.out), writing=args.out):
         # a backend that cannot run there is one line before any input is read (the device's type is what
         # counts: each rank's cuda:LOCAL_RANK, or the Ray actors', are of the same type)
         resolve_attn_implementation(args.attn, torch.device(args.device), torch_dtype(args.dtype))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,7 +29,7 @@ from .plan import ExportItem, plan_all, shard_ranges, split_balanced
 from .settings import ExportError, ExportRun
 from .shards import ShardResult, assemble, export_shard, part_path, shard_work
 
-__all__ = ["Progress", "claim_output", "describe_run", "export", "export_on_ray", "export_rank"]
+__all__ = ["Progress", "claim_output", "describe_run", "export", "export_on_ray", "export_rank", "kept_shards"]
 
 
 def describe_run(run: ExportRun, models: Models, images: Sequence[InputImage], device: torch.device) -> dict[str, Any]:
@@ -226,6 +227,39 @@ def export_on_ray(
     progress.time_packs(done.start, done.results)
     progress.cache_corrupt = cache.corrupt if cache is not None else 0
     return progress
+
+
+def kept_shards(out: Path) -> str:
+    """What Ctrl-C keeps of an export into ``out``, on either engine: the finished shards (each
+    written whole with its part file, by this run or an earlier one), which the same command
+    does not encode again; a shard in flight leaves nothing that looks finished."""
+    finished = sorted(int(part.stem.removeprefix("shard-")) for part in part_path(out, 0).parent.glob("shard-*.json"))
+    total = _shard_count(out)
+    of = "" if total is None else f" of {total}"
+    if not finished:
+        return f"no shard{of} finished in {out}; the same command starts the export again"
+    count = f"{len(finished)}{of} shard{'s' * (len(finished) != 1 or total is not None)}"
+    return f"{count} finished in {out} ({_ranges(finished)}), each whole; the same command resumes with the rest"
+
+
+def _shard_count(out: Path) -> int | None:
+    """The number of shards of the run ``out`` holds (from its ``run.json``), or None before it is claimed."""
+    try:
+        run = json.loads((out / RUN_FILE).read_text())
+        return math.ceil(run["inputs"]["count"] / run["arguments"]["shard_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _ranges(numbers: Sequence[int]) -> str:
+    """``0-2, 5`` for [0, 1, 2, 5] (sorted, distinct)."""
+    runs: list[list[int]] = []
+    for number in numbers:
+        if runs and number == runs[-1][-1] + 1:
+            runs[-1].append(number)
+        else:
+            runs.append([number])
+    return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
 def _processor_overrides(run: ExportRun) -> dict[str, Any]:
