@@ -203,6 +203,44 @@ def test_text_and_jsonl_inputs_resolve_against_their_folder(tmp_path, checkpoint
     assert_close_across_shapes(a[str(paths[1])]["projected"], b["cat"]["projected"])
 
 
+def test_one_image_or_video_file_is_one_input_named_by_its_file_name(tmp_path, checkpoint):
+    """``--inputs photo.png`` (any case of an image or video extension) is that input alone, its id the
+    file name as a folder would show it, not a list of paths read from its bytes."""
+    (photo,) = write_images(tmp_path / "in", 2)[1:]
+    (tmp_path / "CLIP.MP4").write_bytes(b"not read when listed")
+    assert read_inputs(tmp_path / "CLIP.MP4") == [InputImage("CLIP.MP4", str(tmp_path / "CLIP.MP4"))]
+    odd = tmp_path / os.fsdecode(b"caf\xe9.png")  # not UTF-8: shown escaped, as in a folder
+    shutil.copy(photo, odd)
+    assert read_inputs(odd) == [InputImage("caf\\xe9.png", str(odd))]
+
+    summary = run_export("--inputs", photo, "--checkpoint", checkpoint, "--out", tmp_path / "out")
+    assert summary["images"] == 1 and summary["failed"] == 0
+    assert [line["id"] for line in manifest(tmp_path / "out")] == [photo.name]
+    alone, in_folder = tokens_by_id(tmp_path / "out"), tokens_by_id(_folder_export(tmp_path, photo, checkpoint))
+    assert torch.equal(alone[photo.name]["projected"], in_folder[photo.name]["projected"])
+
+
+def _folder_export(tmp_path: Path, photo: Path, checkpoint: Path) -> Path:
+    """The export of a folder holding ``photo`` alone."""
+    (tmp_path / "folder").mkdir()
+    shutil.copy(photo, tmp_path / "folder" / photo.name)
+    run_export("--inputs", tmp_path / "folder", "--checkpoint", checkpoint, "--out", tmp_path / "folder-out")
+    return tmp_path / "folder-out"
+
+
+def test_a_list_that_is_not_text_is_one_error_naming_the_file(tmp_path, checkpoint, capsys):
+    """An image under an extension that is not an image's is not read as a list of binary paths."""
+    (photo,) = write_images(tmp_path / "in", 2)[1:]
+    shutil.copy(photo, tmp_path / "photo.heic")
+    args = ["--inputs", tmp_path / "photo.heic", "--checkpoint", checkpoint, "--out", tmp_path / "o"]
+    line = export_error(capsys, *args)
+    assert line.startswith(
+        f"python -m projector.export: error: --inputs {tmp_path / 'photo.heic'} is not a text list of paths "
+        "(it holds binary data); --inputs takes a folder, an image or video file (.avi .bmp "
+    )
+    assert "\\udc" not in line and "PNG" not in line and not (tmp_path / "o").exists()
+
+
 def test_inputs_with_repeated_ids_or_bad_lines_are_refused(tmp_path):
     (tmp_path / "twice.txt").write_text("a.png\nb.png\na.png\n")
     with pytest.raises(ExportError, match="repeats the ids \\['a.png'\\]"):

@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--inputs",
         type=existing_path,
         required=True,
-        help="image folder (recursive; files with other extensions are skipped and counted), "
-        "text file of paths, or JSONL of {id, path} lines",
+        help="image folder (recursive; files with other extensions are skipped and counted), one image or "
+        "video file, text file of paths, or JSONL of {id, path} lines",
     )
     add_checkpoint_argument(
         parser,

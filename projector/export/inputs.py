@@ -43,22 +43,25 @@ class Inputs:
 def scan_inputs(path: Path) -> Inputs:
     """The images named by ``--inputs``, in a deterministic order.
 
-    - a folder: every file below it whose extension is in ``moonvit.IMAGE_EXTENSIONS``, sorted
-      by relative path (the id); other files are counted by extension;
+    - a folder: every file below it whose extension is in ``moonvit.IMAGE_EXTENSIONS`` (or
+      ``VIDEO_EXTENSIONS``), sorted by relative path (the id); other files are counted by extension;
+    - one image or video file (by its extension): that input alone, its file name the id;
     - a ``.jsonl`` file: one ``{"id": ..., "path": ...}`` object per line;
-    - any other file: one path per line (the id is the line as written).
+    - any other file: a text list, one path per line (the id is the line as written).
 
     Paths are made absolute; relative ones in a list are resolved against the list's folder.
     Blank lines are skipped.
 
     Raises:
         ExportError: the path does not exist, it names no image (the skipped files counted), a
-            JSONL line lacks ``id`` / ``path``, or ids repeat.
+            JSONL line lacks ``id`` / ``path``, a text list holds binary data, or ids repeat.
     """
     path = path.absolute()
     skipped: dict[str, int] = {}
     if path.is_dir():
         images, skipped = _folder_inputs(path)
+    elif path.is_file() and path.suffix.lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS:
+        images = [InputImage(display_ids([path.name])[0], str(path))]
     elif path.is_file():
         images = _jsonl_inputs(path) if path.suffix.lower() == ".jsonl" else _text_inputs(path)
     else:
@@ -87,7 +90,14 @@ def _folder_inputs(folder: Path) -> tuple[list[InputImage], dict[str, int]]:
 
 def _text_inputs(file: Path) -> list[InputImage]:
     # a list of file names: bytes that are not UTF-8 are kept as Python keeps them in names
-    text = file.read_text(encoding="utf-8", errors="surrogateescape")
+    content = file.read_bytes()
+    if b"\0" in content:  # no file name holds a NUL byte: an image or other binary file, not a list
+        extensions = " ".join(sorted(IMAGE_EXTENSIONS | VIDEO_EXTENSIONS))
+        raise ExportError(
+            f"--inputs {file} is not a text list of paths (it holds binary data); --inputs takes a folder, "
+            f"an image or video file ({extensions}), a text file of paths or a .jsonl"
+        )
+    text = content.decode("utf-8", errors="surrogateescape")
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return [InputImage(name, str(file.parent / line)) for name, line in zip(display_ids(lines), lines)]
 
