@@ -275,6 +275,23 @@ def test_bad_files_are_listed_with_reasons_and_the_rest_exported(tmp_path, check
     assert summary["skipped"] == {".txt": 1}
 
 
+def test_the_summary_counts_failures_apart_and_gives_the_start_up_and_the_steady_rate(tmp_path, checkpoint, capsys):
+    write_images(tmp_path / "in", 4)
+    (tmp_path / "in" / "broken.png").write_bytes(b"nope")
+    (tmp_path / "in" / "empty.jpg").write_bytes(b"")
+    summary = run_export("--inputs", tmp_path / "in", "--checkpoint", checkpoint, "--shard-size", "1",
+                         "--out", tmp_path / "out")  # fmt: skip
+    assert (summary["images_this_run"], summary["exported_this_run"], summary["failed_this_run"]) == (6, 4, 2)
+    assert summary["first_pack_s"] > 0 and summary["steady_items_per_s"] > 0  # one pack a shard: 3 after the first
+    printed = capsys.readouterr().out.splitlines()[-1]
+    assert printed.startswith("exported 4 images, 2 failed")
+    assert "this run processed 6 images (4 exported, 2 failed) into" in printed
+    start = re.search(r"; first pack after (\d+\.\d) s, then (\d+\.\d) images/s; ", printed)
+    assert start is not None, printed
+    assert float(start.group(1)) == round(summary["first_pack_s"], 1)
+    assert float(start.group(2)) == round(summary["steady_items_per_s"], 1)
+
+
 def test_the_summary_counts_images_and_videos_apart(tmp_path, capsys):
     """One image and one clip of two chunks: one image and one video, not three images."""
     pytest.importorskip("av")
@@ -289,7 +306,8 @@ def test_the_summary_counts_images_and_videos_apart(tmp_path, capsys):
     assert (summary["images"], summary["videos"], summary["video_chunks"], summary["records"]) == (1, 1, 2, 3)
     printed = capsys.readouterr().out
     assert "exported 1 image, 1 video (2 chunks), 0 failed" in printed
-    assert "this run processed 3 images and video chunks into" in printed and "items/s" in printed
+    assert "this run processed 3 images and video chunks (3 exported, 0 failed) into" in printed
+    assert re.search(r"\(\d+\.\d items/s, \d+ tokens/s; first pack after \d+\.\d s(, then \S+ items/s)?; ", printed)
 
 
 @pytest.mark.parametrize(

@@ -333,7 +333,8 @@ def _summary(
     progress: Sequence[Progress], exported: dict[str, int], failed: int, skipped: dict[str, int]
 ) -> dict[str, Any]:
     """The run's summary: the folder's counts (:func:`manifest_counts`, ``failed`` records), and this
-    run's: ``images_this_run`` counts images and video chunks, one record each."""
+    run's: ``images_this_run`` counts the images and video chunks it went through, one record each,
+    ``exported_this_run`` those written to a shard and ``failed_this_run`` those that failed."""
     seconds = max(p.seconds for p in progress)
     done = sum(p.images + p.failed for p in progress)
     tokens = sum(p.tokens for p in progress)
@@ -342,6 +343,8 @@ def _summary(
         "failed": failed,
         "skipped": skipped,
         "images_this_run": done,
+        "exported_this_run": sum(p.images for p in progress),
+        "failed_this_run": sum(p.failed for p in progress),
         "tokens_this_run": tokens,
         "seconds": seconds,
         "images_per_s": done / seconds if seconds else 0.0,
@@ -349,10 +352,10 @@ def _summary(
         # the share of the encoder's time spent waiting for decoded packs (rank 0's when several;
         # on Ray, over all the actors)
         "data_share": _share(progress[0].data_s, progress[0].data_s + progress[0].encode_s),
-        # each image encoded once: items encoded, later copies of an image, tokens read from --cache
         # the engine's start-up (to the first pack's result) and the rate after it (rank 0's)
         "first_pack_s": progress[0].first_pack_s,
         "steady_items_per_s": _share(progress[0].steady_items, progress[0].steady_s),
+        # each image encoded once: items encoded, later copies of an image, tokens read from --cache
         "encoded_this_run": sum(p.encoded for p in progress),
         "duplicates_this_run": sum(p.duplicates for p in progress),
         "cache_reused_this_run": sum(p.cached for p in progress),
@@ -366,7 +369,8 @@ def _share(part: float, whole: float) -> float:
 
 def _summary_line(summary: dict[str, Any], out: Path, inputs: Inputs) -> str:
     """``exported 1 image, 1 video (2 chunks), 0 failed ...``: images and videos counted apart (a
-    video's chunks are one record each, like an image, and are what this run's rate counts)."""
+    video's chunks are one record each, like an image, and are what this run's counts and rate
+    count); then this run's: how many it exported and how many failed, its rates, its start-up."""
     skipped = f"; {inputs.skipped_line()}" if inputs.skipped else ""
     once = ""
     if summary["duplicates_this_run"]:
@@ -381,10 +385,12 @@ def _summary_line(summary: dict[str, Any], out: Path, inputs: Inputs) -> str:
         videos, chunks = summary["videos"], summary["video_chunks"]
         exported += f", {videos} video{'s' * (videos != 1)} ({chunks} chunk{'s' * (chunks != 1)})"
         items, unit = "images and video chunks", "items"
+    steady = summary["steady_items_per_s"]
+    start = f"first pack after {summary['first_pack_s']:.1f} s" + (f", then {steady:.1f} {unit}/s" if steady else "")
     return (
         f"exported {exported}, {summary['failed']} failed (see {out / FAILURES_FILE}){skipped}; "
-        f"this run processed {summary['images_this_run']} {items} into {summary['tokens_this_run']} tokens "
-        f"in {summary['seconds']:.1f} s "
-        f"({summary['images_per_s']:.1f} {unit}/s, {summary['tokens_per_s']:.0f} tokens/s; "
+        f"this run processed {summary['images_this_run']} {items} ({summary['exported_this_run']} exported, "
+        f"{summary['failed_this_run']} failed) into {summary['tokens_this_run']} tokens in {summary['seconds']:.1f} s "
+        f"({summary['images_per_s']:.1f} {unit}/s, {summary['tokens_per_s']:.0f} tokens/s; {start}; "
         f"{summary['data_share']:.0%} of it waiting for decoded images){once}"
     )
