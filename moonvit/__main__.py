@@ -171,7 +171,8 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> None:
     written = [] if written is None else written
     apply_threads(args.threads)
     dtype = torch_dtype(args.dtype)
-    resolve_attn_implementation(args.attn, torch.device(args.device), dtype)  # one line if it cannot run here
+    attention = resolve_attn_implementation(args.attn, torch.device(args.device), dtype)  # one line if it cannot
+    attention += " (auto)" if args.attn == "auto" else ""
     image_files = expand_folders(args.images, IMAGE_EXTENSIONS, "images")
     video_files = expand_folders(args.videos, VIDEO_EXTENSIONS, "videos")
     overrides = {} if args.side_limit_mode is None else {"side_limit_mode": args.side_limit_mode}
@@ -213,7 +214,10 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> None:
     )
     seconds = time.perf_counter() - start
 
-    print(f"moonvit {__version__}: {source}, {args.dtype} on {args.device}, {torch.get_num_threads()} threads")
+    print(
+        f"moonvit {__version__}: {source}, {args.dtype} on {args.device}, {torch.get_num_threads()} threads, "
+        f"attention: {attention}"
+    )
     takes_video = encoder.config.max_frames > 1
     print(f"processor: {describe_processors(processor, video_processor, takes_video=takes_video, family=family)}")
     print(f"{'input':<24} {'size':>11} {'grid':>11} {'tokens':>7} {'mean':>8} {'std':>7}")

@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from helpers import tiny_model, write_video
 from PIL import Image
 from safetensors.torch import load_file
@@ -26,6 +27,16 @@ def test_main_job_on_the_built_in_images(tmp_path, capsys):
     # 1792x1024 is 128 x 73 = 9344 patches, over the 4096 budget: scaled by sqrt(4096 / 9344).
     stripes = next(s for s in summary["images"] if s["image"].startswith("stripes"))
     assert stripes["grid_hw"] == [50, 86]
+
+
+def test_the_header_names_the_attention_backend_auto_took(tmp_path, capsys):
+    common = ["--preset", "tiny", "--dtype", "fp32", "--threads", "1", "--images", str(tmp_path / "a.png")]
+    Image.new("RGB", (56, 28), (10, 200, 30)).save(tmp_path / "a.png")
+    main([*common, "--out", str(tmp_path / "auto")])
+    taken = attention.resolve_attn_implementation("auto", torch.device("cpu"), torch.float32)
+    assert capsys.readouterr().out.splitlines()[0].endswith(f"1 threads, attention: {taken} (auto)")
+    main([*common, "--attn", "eager", "--out", str(tmp_path / "eager")])
+    assert capsys.readouterr().out.splitlines()[0].endswith("1 threads, attention: eager")
 
 
 def test_main_job_encodes_the_built_in_clip_with_a_temporal_tower(tmp_path, capsys):
