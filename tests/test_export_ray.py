@@ -19,8 +19,10 @@ import torch
 from helpers import folder_bytes, make_checkpoint, run_export, with_threads, write_images
 
 import moonvit.runs
+from moonvit import MoonViT, MoonViTImageProcessor
 from moonvit.model.attention import resolve_attn_implementation
 from moonvit.runs import compute_facts
+from projector.dataset import VisualTokenDataset
 from projector.export import ExportError, ExportRun, export, load_models, plan_input, ray_engine, scan_inputs
 from projector.export.cache import TokenCache
 from projector.export.ray_engine import EncodePacks
@@ -220,6 +222,20 @@ def test_the_actors_run_the_backend_asked_for(local_ray, tmp_path, checkpoint, i
     assert summary["encoded_this_run"] == local["encoded_this_run"] == 10
     assert json.loads((out / "run.json").read_text())["compute"]["attention"] == "eager"
     assert folder_bytes(out) == folder_bytes(tmp_path / "local")
+
+
+def test_the_actors_read_the_projector_of_projector_from(local_ray, tmp_path, checkpoint, images, local_output):
+    """A fine-tuned tower's folder without a projector, the projector from another folder: the actors
+    load both, and the tokens are the local engine's from the folder that holds both."""
+    tower = tmp_path / "tower"
+    MoonViT.from_pretrained(checkpoint).save_pretrained(tower)
+    MoonViTImageProcessor.from_pretrained(checkpoint).save_pretrained(tower)
+    out = tmp_path / "out"
+    with_threads(export, ray_run(images, tower, out, projector_from=str(checkpoint)))
+    assert json.loads((out / "run.json").read_text())["checkpoint"]["projector_from"] == str(checkpoint.resolve())
+    ours, reference = (VisualTokenDataset(folder) for folder in (out, local_output))
+    assert len(ours) == len(reference) == 11
+    assert all(torch.equal(ours[i]["projected"], reference[i]["projected"]) for i in range(len(ours)))
 
 
 def test_gpu_actors_record_their_own_attention_backend(tmp_path, checkpoint, images, monkeypatch):

@@ -348,13 +348,16 @@ class EncodePacks:
         compute: Mapping[str, Any],
         weights_sha256: str,
         attn: str = "auto",
+        projector_from: str | None = None,
     ) -> None:
         torch.set_num_threads(compute["threads"])
         target = torch.device(device)
         if target.type == "cuda":  # Ray gives each actor its GPUs as cuda:0 ..
             target = torch.device("cuda", 0)
         _check_same(compute, compute_facts(target), "an encoder actor")
-        self.models = load_models(checkpoint, store, torch_dtype(dtype), target, dict(processor_overrides), attn)
+        self.models = load_models(
+            checkpoint, store, torch_dtype(dtype), target, dict(processor_overrides), attn, projector_from
+        )
         _check_same(compute, {"attention": self.models.attention(target)}, "an encoder actor")
         if self.models.checkpoint_sha256 != weights_sha256:
             raise ExportError(f"--checkpoint {checkpoint} holds other weights on {platform.node()} than the driver's")
@@ -412,7 +415,7 @@ def encode_on_ray(
     started when no shard needs one.
 
     ``models_source`` holds what an actor needs to load the models as the driver did
-    (``checkpoint``, ``processor_overrides``, ``compute``, ``weights_sha256``,
+    (``checkpoint``, ``projector_from``, ``processor_overrides``, ``compute``, ``weights_sha256``,
     ``processor``, ``video_processor``). ``on_pack`` is called with the number of packs back so
     far after each (a hook for progress displays and fault drills).
     """
@@ -475,6 +478,7 @@ def _pipeline(
             "compute": source["compute"],
             "weights_sha256": source["weights_sha256"],
             "attn": run.attn,
+            "projector_from": source["projector_from"],
         },
         batch_size=1,
         compute=ray.data.ActorPoolStrategy(size=run.encoder_actors),

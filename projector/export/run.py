@@ -208,10 +208,10 @@ def export_on_ray(
     pending = [k for k in shards if not part_path(run.out, k).is_file()]
     # every shard is planned before any pack is encoded: cache hits are checked, not held
     works = [shard_work(k, [planned[i] for i in layout[k]], duplicates, cache, keep=False) for k in pending]
-    checkpoint = Path(run.checkpoint)
     source = {
         # the actors' working folder is not the driver's: a local folder goes by its absolute path
-        "checkpoint": str(checkpoint.resolve()) if checkpoint.is_dir() else str(run.checkpoint),
+        "checkpoint": _for_elsewhere(run.checkpoint),
+        "projector_from": None if run.projector_from is None else _for_elsewhere(run.projector_from),
         "processor_overrides": _processor_overrides(run),
         "compute": description["compute"],
         "weights_sha256": models.checkpoint_sha256,
@@ -260,6 +260,11 @@ def _ranges(numbers: Sequence[int]) -> str:
         else:
             runs.append([number])
     return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+
+
+def _for_elsewhere(source: str) -> str:
+    """A folder or hub id as another process reads it: a local folder by its absolute path."""
+    return str(Path(source).resolve()) if Path(source).is_dir() else str(source)
 
 
 def _processor_overrides(run: ExportRun) -> dict[str, Any]:

@@ -72,11 +72,6 @@ class ExportRun:
             raise ExportError(f"--encoder-actors {self.encoder_actors}: expected at least 1")
         if self.projector_from is not None and self.store == "merged":
             raise ExportError(f"--projector-from is for projected tokens; --store {self.store} stores none")
-        if self.projector_from is not None and self.engine == "ray":
-            raise ExportError(
-                "--projector-from is not supported by --engine ray (its actors read the projector from "
-                "--checkpoint): save the projector into the checkpoint folder, or use --engine local"
-            )
 
     @property
     def kinds(self) -> tuple[str, ...]:
