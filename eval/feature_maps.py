@@ -30,6 +30,7 @@ from PIL import Image
 
 from moonvit import MoonViT, MoonViTImageProcessor, load_image
 from moonvit.cli import (
+    ArgumentParser,
     add_seed_argument,
     add_threads_argument,
     apply_threads,
@@ -149,7 +150,7 @@ def save_feature_maps(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m eval.feature_maps", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m eval.feature_maps", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--checkpoint", action="append", required=True, type=checkpoint_source,
         help="a checkpoint folder or hub id; repeat for encoders side by side (the first sets the colours)",

@@ -40,6 +40,7 @@ import torch
 import moonvit
 from moonvit.cli import (
     ENCODER_OPTIONS,
+    ArgumentParser,
     add_checkpoint_argument,
     add_shared_arguments,
     apply_threads,
@@ -98,7 +99,7 @@ __all__ = [
 
 def build_parser() -> argparse.ArgumentParser:
     defaults = ProbeConfig()
-    parser = argparse.ArgumentParser(prog=PROGRAM, description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog=PROGRAM, description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group()
     add_checkpoint_argument(source)
     source.add_argument("--preset", choices=sorted(moonvit.PRESETS), help="a preset size (needs --random-init)")

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from moonvit import MoonViT
-from moonvit.cli import add_checkpoint_argument, exit_on, output_file, positive_int
+from moonvit.cli import ArgumentParser, add_checkpoint_argument, exit_on, output_file, positive_int
 
 __all__ = ["position_similarity", "resampled_table", "save_position_similarity"]
 
@@ -83,7 +83,7 @@ def fit_title(figure: Any, text: str, fontsize: float) -> tuple[Any, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m eval.pictures", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m eval.pictures", description=__doc__.split("\n\n")[0])
     add_checkpoint_argument(parser, required=True)
     parser.add_argument(
         "--out",

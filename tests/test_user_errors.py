@@ -294,6 +294,10 @@ def test_ctrl_c_in_the_onnx_export_is_one_line_and_leaves_no_graph(tmp_path, che
         ("train", "--objective, --out, --preset or --checkpoint, --dataset (or --smoke alone, a quick check)"),
         ("projector.export", "--inputs, --checkpoint, --out"),
         ("moonvit.onnx", "--checkpoint, --out"),
+        ("moonvit.gguf", "--checkpoint, --out"),
+        ("eval.linear_probe", "--dataset"),
+        ("eval.pictures", "--checkpoint"),
+        ("eval.feature_maps", "--checkpoint"),
     ],
 )
 def test_missing_required_arguments_are_one_line_with_where_to_look(module, missing):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..cli import add_checkpoint_argument, add_shared_arguments, exit_on, one_line_warnings, output_file
+from ..cli import ArgumentParser, add_checkpoint_argument, add_shared_arguments, exit_on, one_line_warnings, output_file
 from ..media.processor import MoonViTImageProcessor
 from ..model.encoder import MoonViT
 from ..weights.storage import CheckpointError
@@ -52,7 +52,7 @@ def load_projector(source: str, checkpoint: str, given: bool, width: int) -> Any
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m moonvit.gguf", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m moonvit.gguf", description=__doc__.split("\n")[0])
     add_checkpoint_argument(
         parser, "a checkpoint folder or hub id holding the tower and its Kimi projector", required=True
     )
