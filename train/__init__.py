@@ -9,9 +9,10 @@ Modules, one idea each:
     batch       a planned pack rendered: pixels, kept patches, grid metadata, mixed labels
     objectives  what the encoder learns (a module from a pack to a loss): ``supervised``, ``mae``
     optim       AdamW parameter groups, layer-wise decay, warmup + cosine
+    ema         a moving average of the trained weights (``--ema``), swapped in to evaluate and save
     parallel    DDP / FSDP2 and full state dicts (the optimizer's by parameter name)
     checkpoint  atomic resumable state and the same-run check
-    build       the run from its config: the encoder, the plan, the step count of --epochs
+    build       the run from its config: the encoder (frozen parts, LoRA), the plan, the step count of --epochs
     trainer     the training state of one process, one optimizer step, saving and restoring itself
     evaluation  the objective's sums on a split, validation records, pictures
     log         the per-step JSONL log and the curves PNG
