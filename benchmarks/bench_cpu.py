@@ -5,7 +5,8 @@ One process, the contenders interleaved on the same weights and packs:
 
     python benchmarks/bench_cpu.py --depth 4 --threads 2 --out benchmarks/results/bench_cpu.md
 
-prints the machine's matmul peak (fp32, bf16), then per pack and dtype:
+prints the machine's matmul peak (fp32, bf16; measured warm) and ``auto``'s CPU attention choice
+for this host (moonvit.model.openvino_sdpa.cpu_attention_choice), then per pack and dtype:
 patches/s at --depth and scaled to 27 blocks, images/s, MFU (matmul FLOPs incl. attention over the measured
 peak, scaled from --depth to the full 27 blocks by the per-block time), the
 ratio to transformers, the fixed per-call cost (depth 0; this encoder runs
@@ -48,6 +49,7 @@ from moonvit.model.attention import AttentionFn, attention_names, get_attention,
 from moonvit.model.flex import flex_unavailable
 from moonvit.model.grid import PackedGrid, build_packed_grid
 from moonvit.model.linear import cpu_bf16_matmul, cpu_has_bf16_arithmetic, set_cpu_bf16_matmul
+from moonvit.model.openvino_sdpa import OPENVINO_MIN_PATCHES, cpu_attention_choice, cpu_host, openvino_declined
 from moonvit.weights.transformers import to_transformers
 
 
@@ -435,8 +437,16 @@ def main(argv: list[str] | None = None) -> None:
         f"torch {torch.__version__}, {args.threads} threads, depth {args.depth} (MFU scaled to 27 blocks)",
         "",
     ]
-    peaks = {name: matmul_peak(DTYPES[name]) for name in ("bf16", "fp32")}
-    lines += ["matmul peak 4096^3: " + ", ".join(f"{n} {p / 1e9:.0f} GFLOP/s" for n, p in peaks.items())]
+    host = cpu_host()
+    declined = openvino_declined(host, torch.bfloat16)
+    lines += [
+        f"auto's attention for bf16 items of {OPENVINO_MIN_PATCHES:,} patches or more here: "
+        f"{cpu_attention_choice(host, torch.bfloat16, OPENVINO_MIN_PATCHES)} "
+        f"({declined or 'AVX512-BF16 without AMX, OpenVINO installed'})",
+        "",
+    ]
+    peaks = {name: matmul_peak(DTYPES[name]) for name in ("bf16", "fp32")}  # warm: see moonvit.perf
+    lines += ["matmul peak 4096^3 (warm): " + ", ".join(f"{n} {p / 1e9:.0f} GFLOP/s" for n, p in peaks.items())]
     # MFU divides by the peak of the arithmetic the linears run: float32's where bf16 is widened.
     mfu_peak = {"fp32": peaks["fp32"], "bf16": peaks["fp32" if cpu_bf16_matmul() == "float32" else "bf16"]}
     if cpu_bf16_matmul() == "float32":
