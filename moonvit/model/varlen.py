@@ -42,9 +42,10 @@ _POSITIONAL = ("cu_seq_q", "cu_seq_k", "max_q", "max_k")
 
 
 _found: dict[str, Any] = {}
-"""What :func:`varlen_not_installed` (``module``) and :func:`varlen_kernel` (``kernel``) found, once per
-process: a plain dict, not ``functools.cache``, which ``torch.compile`` would trace through on every
-compile (and warn about); the dict it reads as it is."""
+"""What :func:`varlen_not_installed` (``module``), :func:`varlen_kernel` (``kernel``) and the GPU
+generation check (``capability <index>``) found, once per process: a plain dict, not
+``functools.cache``, which ``torch.compile`` would trace through on every compile (and warn about);
+the dict it reads as it is."""
 
 
 def varlen_not_installed() -> str | None:
@@ -116,11 +117,16 @@ def varlen_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:
-    """The CUDA device's compute capability, or None where none is visible or on ROCm (whose
-    numbering is another)."""
-    if torch.version.hip is not None or not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_capability(device)
+    """The CUDA device's compute capability (asked once per device), or None where none is visible,
+    on ROCm (whose numbering is another) or under ``torch.compile`` before an eager call asked (a
+    tracer cannot follow the query; the kernel itself then refuses an older GPU)."""
+    key = f"capability {device.index}"
+    if key not in _found:
+        if torch.compiler.is_compiling():
+            return None
+        visible = torch.version.hip is None and torch.cuda.is_available()
+        _found[key] = torch.cuda.get_device_capability(device) if visible else None
+    return _found[key]
 
 
 def varlen_arguments(q: torch.Tensor, grid: PackedGrid) -> tuple[torch.Tensor, int]:
