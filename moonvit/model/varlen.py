@@ -161,8 +161,8 @@ def packed_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     caller, :func:`varlen_head_dim_unsupported`).
 
     Args:
-        q, k, v: (L, heads, head_dim) bf16 or fp16 CUDA rows (views of the qkv buffer are fine: the
-            kernel takes any row stride).
+        q, k, v: (L, heads, head_dim) bf16 or fp16 CUDA rows, head_dim contiguous (the block's views
+            of its qkv buffer go in as they are, as they do to flash-attn's kernel).
 
     Returns:
         (L, heads, head_dim).
