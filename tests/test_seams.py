@@ -191,7 +191,7 @@ def test_a_registered_backend_is_accepted_everywhere(monkeypatch):
 
 
 def test_unknown_backends_are_refused_with_the_registered_names():
-    names = r"\('auto', 'flash_attention_2', 'openvino', 'sdpa', 'flex', 'eager'\)"
+    names = r"\('auto', 'flash_attention_2', 'varlen', 'openvino', 'sdpa', 'flex', 'eager'\)"
     with pytest.raises(ValueError, match=f"one of {names}"):
         preset_config("tiny", attn_implementation="xformers")
 
