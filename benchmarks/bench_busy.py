@@ -9,7 +9,8 @@ users' jobs look like to us). A setting is how a command can start:
 - ``2 threads, passive``: the same with ``OMP_WAIT_POLICY=PASSIVE`` (a waiting thread sleeps);
 - ``1 thread``: no OpenMP team at all;
 - ``commands' default``: how the package's commands start: torch's thread count, the wait
-  policy of ``moonvit.environment.command_environment`` (passive unless the user set one).
+  policy ``moonvit.environment.command_environment`` chooses by how busy the CPUs are (passive
+  on a busy machine, OpenMP's default on a quiet one).
 
 Workloads, each a few seconds quiet: ``heads``, the linear probe's AdamW heads (many small
 matmuls: one OpenMP barrier after another) and ``forward``, encoder forwards of a 448x448 image
@@ -57,7 +58,10 @@ SETTINGS = {
     "2 threads, spin": ({"OMP_WAIT_POLICY": None}, "torch.set_num_threads(2)"),
     "2 threads, passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, "torch.set_num_threads(2)"),
     "1 thread": ({"OMP_WAIT_POLICY": None}, "torch.set_num_threads(1)"),
-    "commands' default": ("command", "print('threads', torch.get_num_threads(), flush=True)"),
+    "commands' default": (
+        "command",
+        "import os; print('threads', torch.get_num_threads(), os.environ.get('OMP_WAIT_POLICY', 'spin'), flush=True)",
+    ),
 }
 
 
@@ -72,9 +76,9 @@ def run(workload: str, setting: str) -> tuple[float, str]:
     env_change, prelude = SETTINGS[setting]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     if env_change == "command":
-        from moonvit.environment import command_environment
+        from moonvit.environment import busy_cores, command_environment
 
-        env.update(command_environment(env))
+        env.update(command_environment(env, busy_cores()))
     else:
         env.update({k: v for k, v in env_change.items() if v is not None})
     code = (
@@ -106,7 +110,7 @@ def measure(workloads: Sequence[str], busy: bool) -> list[str]:
             times = {setting: run(workload, setting) for setting in SETTINGS}
             best = min(seconds for seconds, _ in times.values())
             for setting, (seconds, threads) in times.items():
-                note = f" ({threads} threads)" if threads else ""
+                note = f" ({threads.replace(' ', ' threads, ').lower()})" if threads else ""
                 machine = "busy" if busy else "quiet"
                 rows.append(f"| {machine} | {workload} | {setting}{note} | {seconds:.2f} | {seconds / best:.2f} |")
     finally:

@@ -1,15 +1,17 @@
-"""moonvit.environment: the commands start with a passive OpenMP wait policy; the library sets nothing."""
+"""moonvit.environment: the commands wait passively on a busy machine; the library sets nothing."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from moonvit.environment import command_environment, started_as_command
+from moonvit.environment import busy_cores, command_environment, started_as_command
 
 REPO = Path(__file__).resolve().parents[1]
 COMMANDS = ("moonvit", "projector.export", "eval.linear_probe", "train", "moonvit.onnx", "moonvit.gguf")
@@ -26,9 +28,30 @@ def test_which_command_lines_are_the_package_s_commands():
     assert not started_as_command([python])
 
 
-def test_the_user_s_wait_policy_is_kept():
-    assert command_environment({}) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert command_environment({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
+def test_a_busy_machine_waits_passively_a_quiet_one_keeps_openmp_s_default():
+    assert command_environment({}, busy=1.4) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert command_environment({}, busy=0.1) == {} and command_environment({}, busy=None) == {}
+    assert command_environment({"OMP_WAIT_POLICY": "ACTIVE"}, busy=2.0) == {}  # the user's choice
+
+
+def _burn(stop: float) -> None:
+    while time.time() < stop:
+        pass
+
+
+def test_busy_cores_sees_another_process_s_work():
+    cpus = sorted(os.sched_getaffinity(0))
+    context = multiprocessing.get_context("spawn")
+    burner = context.Process(target=_burn, args=(time.time() + 120,), daemon=True)
+    burner.start()
+    try:
+        deadline = time.time() + 60
+        busy = 0.0
+        while busy < 0.7 and time.time() < deadline:  # the burner's interpreter starting, then spinning
+            busy = busy_cores(0.3) or 0.0
+        assert 0.7 <= busy <= len(cpus) + 0.01
+    finally:
+        burner.kill()
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -46,6 +69,6 @@ def test_each_command_sets_it_before_torch_loads(command):
 
 def test_a_program_importing_the_library_keeps_its_environment():
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    code = "import os, moonvit; print(os.environ.get('OMP_WAIT_POLICY'))"
+    code = "import os, moonvit; print(os.environ.get('OMP_WAIT_POLICY'))"  # even on a busy machine
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "None", done.stderr[-2000:]
