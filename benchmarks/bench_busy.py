@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = {
     "heads": """
 import torch
-from eval.probe import ProbeConfig, run_probe
+from moonvit_eval.probe import ProbeConfig, run_probe
 g = torch.Generator().manual_seed(0)
 x, y = torch.randn(3000, 256, generator=g), torch.randint(0, 10, (3000,), generator=g)
 config = ProbeConfig(learning_rates=(1e-3, 1e-2), weight_decays=(0.0,), epochs=1, min_steps=1500, batch_size=256)

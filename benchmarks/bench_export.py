@@ -1,4 +1,4 @@
-"""Benchmark `python -m projector.export`: images/s and tokens/s on a randomly initialised preset.
+"""Benchmark `python -m moonvit_projector.export`: images/s and tokens/s on a randomly initialised preset.
 
 Builds a checkpoint folder (encoder preset, a "kimi" projector into ``--llm-hidden``, the processor
 with ``--in-token-limit``) and ``--images`` JPEG files of assorted sizes (thumbnails to 1280x720)
@@ -36,8 +36,8 @@ from moonvit.cli import (
     non_negative_int,
     positive_int,
 )
-from projector import MoonViTProjector, ProjectorConfig
-from projector.export import main as export_main
+from moonvit_projector import MoonViTProjector, ProjectorConfig
+from moonvit_projector.export import main as export_main
 
 SIZES = [(64, 48), (224, 224), (320, 240), (640, 480), (800, 600), (1280, 720)]
 

@@ -7,7 +7,7 @@ Figures printed:
        logits) on (60000, --dim) features of 10 classes: random class-structured Gaussians, the
        shape of a cached Fashion-MNIST view (target: under 30 s on 2 threads for 1k dims).
     2. The same on Fashion-MNIST's raw pixels (784 dims) when its IDX files are installed.
-    3. ``python -m eval.linear_probe --preset tiny --random-init --dataset digits`` end to end
+    3. ``python -m moonvit_eval.linear_probe --preset tiny --random-init --dataset digits`` end to end
        (encoder features with an empty cache, the default AdamW grid, the pixels baseline;
        target: under 10 s).
 """
@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from eval.datasets import DEFAULT_FASHION_MNIST_DIR, load_dataset
-from eval.features import pixel_features
-from eval.linear_probe import main as linear_probe
-from eval.metrics import classification_metrics
-from eval.probe import ProbeConfig, run_probe
 from moonvit.cli import add_threads_argument, apply_threads, positive_int
+from moonvit_eval.datasets import DEFAULT_FASHION_MNIST_DIR, load_dataset
+from moonvit_eval.features import pixel_features
+from moonvit_eval.linear_probe import main as linear_probe
+from moonvit_eval.metrics import classification_metrics
+from moonvit_eval.probe import ProbeConfig, run_probe
 
 
 def synthetic_features(train: int, test: int, dim: int, classes: int, seed: int = 0):

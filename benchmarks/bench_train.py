@@ -30,16 +30,16 @@ import torch
 import torch.nn.functional as F
 from common import host_line, matmul_peak, mib, peak_extra_bytes
 
-from eval.datasets import load_dataset
 from moonvit import MoonViT, MoonViTImageProcessor, pool_features, preset_config
 from moonvit.cli import add_threads_argument, apply_threads, output_file, positive_int
 from moonvit.model.rope import apply_rope
 from moonvit.perf import config_flops
-from train.augment import AugmentConfig
-from train.batch import ImageSource, render_pack
-from train.objectives import MAEObjective, SupervisedObjective
-from train.optim import OptimConfig, build_optimizer, param_groups
-from train.plan import ImageStream, Packer, PlannedTrainImage, Resolution, TokenDrop, default_lookahead
+from moonvit_eval.datasets import load_dataset
+from moonvit_train.augment import AugmentConfig
+from moonvit_train.batch import ImageSource, render_pack
+from moonvit_train.objectives import MAEObjective, SupervisedObjective
+from moonvit_train.optim import OptimConfig, build_optimizer, param_groups
+from moonvit_train.plan import ImageStream, Packer, PlannedTrainImage, Resolution, TokenDrop, default_lookahead
 
 RESULTS = Path(__file__).parent / "results" / "bench_train.txt"
 BUDGET = 4096

@@ -43,7 +43,7 @@ from PIL import Image
 from moonvit import MoonViT, MoonViTImageProcessor, preset_config, tokens_per_image
 from moonvit.gguf import export_gguf
 from moonvit.media.processor import ImageSizeError
-from projector import MoonViTProjector, ProjectorConfig
+from moonvit_projector import MoonViTProjector, ProjectorConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import randomize_, write_k25_release_folder, write_kimi_vl_folder

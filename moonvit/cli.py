@@ -1,5 +1,5 @@
-"""One vocabulary for the package's command lines (``python -m moonvit``, ``projector.export``,
-``eval.linear_probe``, the trainer and the benchmarks).
+"""One vocabulary for the package's command lines (``python -m moonvit``, ``moonvit_projector.export``,
+``moonvit_eval.linear_probe``, the trainer and the benchmarks).
 
 Every program takes the same flags for the same things, with the same spellings,
 checks and defaults: ``--dtype`` (``bf16`` / ``fp16`` / ``fp32`` / ``fp64``, the

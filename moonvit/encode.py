@@ -3,7 +3,7 @@
 :func:`encode_pack` decodes a :class:`~moonvit.media.packing.Pack`'s images, runs one
 forward and returns an :class:`EncodedPack` that splits the outputs per image.
 :func:`iter_encode_images` / :func:`encode_images` (the one-liners),
-``projector.export`` and the probe's feature extraction all go through it.
+``moonvit_projector.export`` and the probe's feature extraction all go through it.
 :func:`pool_features` averages each image's tokens.
 """
 

@@ -6,7 +6,8 @@ between one small op and the next (the probe's AdamW heads run 1.8x slower with 
 on cores other jobs use, the spinning threads burn the time slices the work needs (the same heads
 ran 5x slower spinning than waiting passively beside a busy loop per core; ``python
 benchmarks/bench_busy.py`` measures both). So a command of this package (``python -m moonvit``,
-``python -m projector.export``, ``python -m eval.linear_probe``, ``python -m train``, ... and the
+``python -m moonvit_projector.export``, ``python -m moonvit_eval.linear_probe``,
+``python -m moonvit_train``, ... and the
 ``moonvit`` script) looks, before torch loads, at how busy its CPUs are over a moment
 (``/proc/stat``): where other processes keep half a core or more of them busy, it starts with
 ``OMP_WAIT_POLICY=PASSIVE``. A variable the user set is kept, and a

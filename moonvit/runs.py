@@ -1,6 +1,6 @@
 """The "same run?" check: which settings differ between a run's recorded description and this command's.
 
-A program records what defines its output (``run.json`` of ``python -m projector.export``, the
+A program records what defines its output (``run.json`` of ``python -m moonvit_projector.export``, the
 trainer's resume state) and, when started again into the same folder, compares the record with
 what this command would write. The comparison is by dotted key (``arguments.dtype``) over JSON-like
 values, so that the message names each differing setting with both values.

@@ -5,7 +5,7 @@
 #      is given, saving the encoder as a checkpoint folder and the images as PNG files;
 #      without a source of the user's, also with a random-weight tower of the real
 #      K2.5 size (so400m-3d) on the same images and a built-in clip, for the shapes;
-#   2. export their visual tokens from that folder (python -m projector.export);
+#   2. export their visual tokens from that folder (python -m moonvit_projector.export);
 #   3. linear-probe the three shipped checkpoints on scikit-learn's digits, which
 #      none of them saw, and the best on Fashion-MNIST's test split (when Debian's
 #      dataset-fashion-mnist is installed; MOONVIT_DEMO_FASHION_MNIST=0 skips this
@@ -43,8 +43,8 @@ if [ "$help" = 1 ]; then
     echo "usage: bash scripts/demo.sh [python -m moonvit arguments]"
     echo
     echo "Encodes images (python -m moonvit; default: the shipped checkpoints/fm-supervised),"
-    echo "exports their tokens (python -m projector.export) and linear-probes the shipped"
-    echo "checkpoints on digits (python -m eval.linear_probe), all into"
+    echo "exports their tokens (python -m moonvit_projector.export) and linear-probes the shipped"
+    echo "checkpoints on digits (python -m moonvit_eval.linear_probe), all into"
     echo "\${MOONVIT_DEMO_OUT:-outputs/demo}. The arguments below go to the first step."
     echo
     exec .venv/bin/python -m moonvit --help
@@ -110,8 +110,8 @@ if [ "${#source[@]}" -gt 0 ]; then
     step="the so400m-3d encoding"
     .venv/bin/python -m moonvit --preset so400m-3d --max-patches-per-pack 4096 --out "$out/so400m-3d" "$@"
 fi
-step="the export (python -m projector.export)"
-.venv/bin/python -m projector.export --inputs "$out/images" --checkpoint "$out/checkpoint" --out "$out/export" \
+step="the export (python -m moonvit_projector.export)"
+.venv/bin/python -m moonvit_projector.export --inputs "$out/images" --checkpoint "$out/checkpoint" --out "$out/export" \
     --store merged --shard-size 2
 # Probes of the shipped checkpoints: digits (never seen in training) for the three, Fashion-MNIST's
 # test split for the best; each with the raw-pixel baseline beside it on its first run.
@@ -123,18 +123,18 @@ fi
 baseline=()
 for name in fm-mae fm-supervised fm-mae-ft; do
     step="the digits probe of $name"
-    .venv/bin/python -m eval.linear_probe --checkpoint "checkpoints/$name" --dataset digits \
+    .venv/bin/python -m moonvit_eval.linear_probe --checkpoint "checkpoints/$name" --dataset digits \
         --out "$out/probe/digits-$name" --cache-dir "$out/probe-cache" "${baseline[@]}"
     baseline=(--no-baseline)
 done
 if [ "${MOONVIT_DEMO_FASHION_MNIST:-1}" = 0 ]; then
     echo "demo.sh: MOONVIT_DEMO_FASHION_MNIST=0: the Fashion-MNIST probe is skipped" >&2
-elif .venv/bin/python -c "import sys; from eval.datasets import DEFAULT_FASHION_MNIST_DIR as d; sys.exit(not d.is_dir())"
+elif .venv/bin/python -c "import sys; from moonvit_eval.datasets import DEFAULT_FASHION_MNIST_DIR as d; sys.exit(not d.is_dir())"
 then
     step="the Fashion-MNIST probe of fm-mae-ft"
     # no logistic regression here: on the 784-wide raw pixels of 60,000 images it alone takes longer
-    # than the rest of this probe (about 110 s on one core); python -m eval.linear_probe runs it
-    .venv/bin/python -m eval.linear_probe --checkpoint checkpoints/fm-mae-ft --dataset fashion-mnist --short-side 56 \
+    # than the rest of this probe (about 110 s on one core); python -m moonvit_eval.linear_probe runs it
+    .venv/bin/python -m moonvit_eval.linear_probe --checkpoint checkpoints/fm-mae-ft --dataset fashion-mnist --short-side 56 \
         --out "$out/probe/fashion-mnist-fm-mae-ft" --cache-dir "$out/probe-cache" --no-logreg
 else
     echo "demo.sh: Fashion-MNIST is not installed (Debian's dataset-fashion-mnist); its probe is skipped" >&2

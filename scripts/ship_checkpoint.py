@@ -44,7 +44,7 @@ def card(name: str, title: str, hardware: str, results: dict[str, Any], notes: s
         f"# {name}: {title}",
         "",
         f"A MoonViT encoder of {train['encoder']['shape']} ({train['encoder']['parameters'] / 1e6:.2f} M parameters),",
-        f"trained by this package's `python -m train` ({results['objective']} objective) on the train split of",
+        f"trained by this package's `python -m moonvit_train` ({results['objective']} objective) on the train split of",
         "Fashion-MNIST (60,000 28x28 grayscale images, 10 classes; a stratified 10% held out for",
         "validation). The test split was never seen in training.",
         "",
@@ -85,7 +85,7 @@ def card(name: str, title: str, hardware: str, results: dict[str, Any], notes: s
         loss = f"Reconstruction error of the masked patches of the test split: {test['reconstruction_mse']:.4f}"
         lines += [f"{loss} (mean squared error per patch, {test['target']}; 1.0 is predicting the patch's mean).", ""]
     lines += [
-        "Linear probes on the frozen encoder (`python -m eval.linear_probe`, test top-1):",
+        "Linear probes on the frozen encoder (`python -m moonvit_eval.linear_probe`, test top-1):",
         "",
         "| data | features | top-1 | raw pixels | command |",
         "|---|---|---|---|---|",

@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 
 from moonvit import MoonViT, MoonViTConfig, MoonViTImageProcessor, preset_config
 from moonvit.model.flex import flex_unavailable
-from projector import MoonViTProjector, ProjectorConfig
-from projector.export import main as export_main
+from moonvit_projector import MoonViTProjector, ProjectorConfig
+from moonvit_projector.export import main as export_main
 
 T = TypeVar("T")
 

@@ -234,7 +234,7 @@ def truncate(path, keep):
     ],
 )
 def test_a_damaged_tensor_file_is_named(tmp_path, damage):
-    from projector import MoonViTProjector
+    from moonvit_projector import MoonViTProjector
 
     write_kimi_vl_folder(tmp_path, tiny_model(), other_tensors=LM_TENSORS, sharded=True)
     damage(tmp_path / "model-00002-of-00003.safetensors")
@@ -308,7 +308,7 @@ def test_invalid_config_values_name_the_file(tmp_path):
 
 
 def test_a_file_where_a_folder_is_expected_is_said_so(tmp_path):
-    from projector import MoonViTProjector
+    from moonvit_projector import MoonViTProjector
 
     tiny_model().save_pretrained(tmp_path)
     for load in (MoonViT.from_pretrained, MoonViTProjector.from_pretrained):

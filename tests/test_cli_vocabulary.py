@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import eval.feature_maps as feature_maps
-import eval.linear_probe as linear_probe
 import moonvit.__main__ as moonvit_main
-import projector.export as export
-import train.config as train_config
+import moonvit_eval.feature_maps as feature_maps
+import moonvit_eval.linear_probe as linear_probe
+import moonvit_projector.export as export
+import moonvit_train.config as train_config
 from moonvit import CheckpointError, cli
 from moonvit.cli import add_dtype_argument, dtype_name, fraction, output_dir, positive_int, torch_dtype
 from moonvit.files import atomic_path, write_text_atomic
@@ -96,10 +96,10 @@ def benchmark_parser(name: str) -> argparse.ArgumentParser:
 
 PARSERS = {
     "python -m moonvit": moonvit_main.build_parser,
-    "projector.export": export.build_parser,
-    "eval.linear_probe": linear_probe.build_parser,
-    "eval.feature_maps": feature_maps.build_parser,
-    "python -m train": train_config.build_parser,
+    "moonvit_projector.export": export.build_parser,
+    "moonvit_eval.linear_probe": linear_probe.build_parser,
+    "moonvit_eval.feature_maps": feature_maps.build_parser,
+    "python -m moonvit_train": train_config.build_parser,
     **{name: functools.partial(benchmark_parser, name) for name in BENCHMARK_SCRIPTS},
 }
 CHECKED_NUMBERS = {
@@ -156,7 +156,7 @@ def test_the_shared_flags_mean_the_same_everywhere(tmp_path):
         if "--device" in by_flag:
             # the export's --engine ray names its actors' device, which its driver need not reach:
             # spelled at parse time, reached after it on the local engine (the test below)
-            expected = cli.device_spelling if name == "projector.export" else cli.device_name
+            expected = cli.device_spelling if name == "moonvit_projector.export" else cli.device_name
             assert by_flag["--device"].type is expected, name
         if "--checkpoint" in by_flag:
             assert by_flag["--checkpoint"].type is cli.checkpoint_source, name
@@ -172,15 +172,15 @@ def test_cuda_without_cuda_is_refused_at_parse_time(monkeypatch, capsys):
     ]
     assert with_device == [
         "python -m moonvit",
-        "projector.export",
-        "eval.linear_probe",
-        "python -m train",
+        "moonvit_projector.export",
+        "moonvit_eval.linear_probe",
+        "python -m moonvit_train",
         "cuda_check",
     ]
     for name in with_device:
         for device in ("cuda", "cuda:1"):
             with pytest.raises(SystemExit) as exit_info:
-                if name == "projector.export":  # checked once the engine is known
+                if name == "moonvit_projector.export":  # checked once the engine is known
                     export.main(["--inputs", ".", "--checkpoint", "owner/name", "--out", "out", "--device", device])
                 else:
                     PARSERS[name]().parse_args(["--device", device])
@@ -206,7 +206,7 @@ def test_library_loaders_refuse_cuda_without_cuda(tmp_path, monkeypatch):
     from helpers import make_checkpoint
 
     from moonvit import MoonViT
-    from projector import MoonViTProjector
+    from moonvit_projector import MoonViTProjector
 
     folder = make_checkpoint(tmp_path / "ckpt")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -290,7 +290,12 @@ def test_user_errors_end_in_one_line_and_status_1(capsys):
 
 # ---- --attn through every command -----------------------------------------------------------
 
-ENCODER_COMMANDS = ("python -m moonvit", "projector.export", "eval.linear_probe", "python -m train")
+ENCODER_COMMANDS = (
+    "python -m moonvit",
+    "moonvit_projector.export",
+    "moonvit_eval.linear_probe",
+    "python -m moonvit_train",
+)
 
 
 class Reached(Exception):
@@ -363,8 +368,8 @@ def test_attn_reaches_the_probes_encoder(tmp_path, monkeypatch):
 
 
 def test_attn_reaches_the_trainers_encoder_and_does_not_define_the_run(tmp_path, monkeypatch):
-    import train.loop as train_loop
-    from train.config import parse_args, run_defining
+    import moonvit_train.loop as train_loop
+    from moonvit_train.config import parse_args, run_defining
 
     class Trainer(train_loop.Trainer):
         def __init__(self, *args, **kwargs):

@@ -158,7 +158,7 @@ TRAIN += ["--batch-patches", "1024", "--evals", "1", "--device", "cuda", "--peak
 
 
 def test_the_trainer_steps_evaluates_and_exports_on_cuda(tmp_path):
-    from train.loop import main
+    from moonvit_train.loop import main
 
     results = main([*TRAIN, "--steps", "4", "--out", str(tmp_path)])
     assert results["steps"] == 4 and results["test"]["top1"] >= 0.0
@@ -173,7 +173,7 @@ def test_torchrun_on_cuda_reduces_host_statistics_through_the_mixed_group(tmp_pa
     import sys
     from pathlib import Path
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "train", *TRAIN]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "moonvit_train", *TRAIN]
     command += ["--minutes", "0.05", "--out", str(tmp_path)]
     result = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]

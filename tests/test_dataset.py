@@ -12,7 +12,7 @@ from helpers import make_checkpoint, run_export, write_images
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from projector.dataset import VisualTokenDataset, collate_visual_tokens
+from moonvit_projector.dataset import VisualTokenDataset, collate_visual_tokens
 
 
 @pytest.fixture(scope="module")

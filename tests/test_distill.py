@@ -17,11 +17,11 @@ from helpers import randomize_, tiny_k3_model
 from safetensors.torch import load_file
 from test_train import free_port, kill_after_steps, run_ranks, train
 
-from eval.datasets import Split
 from moonvit import MoonViT, MoonViTImageProcessor, build_packed_grid, patchify, preset_config
-from train.batch import Batch, ImageSource, render_pack
-from train.objectives.distill import ADAPTER_FILE, DistillObjective, TeacherError
-from train.plan import PlannedTrainImage, TokenDrop
+from moonvit_eval.datasets import Split
+from moonvit_train.batch import Batch, ImageSource, render_pack
+from moonvit_train.objectives.distill import ADAPTER_FILE, DistillObjective, TeacherError
+from moonvit_train.plan import PlannedTrainImage, TokenDrop
 
 DISTILL = ["--objective", "distill", "--preset", "tiny", "--dataset", "digits", "--threads", "1", "--no-progress"]
 DISTILL += ["--resolution", "56", "--batch-patches", "512", "--randaugment", "0", "0", "--evals", "1"]
@@ -188,7 +188,7 @@ def test_a_sigkill_then_the_same_command_gives_the_uninterrupted_weights(tmp_pat
 def test_two_rank_gloo_ddp_equals_one_process(tmp_path, teacher_dir):
     args = [*DISTILL, "--teacher", str(teacher_dir), "--steps", "6", "--packs-per-step", "2", "--resolution", "28"]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["--master-port", str(free_port()), "-m", "train", *args, "--out", str(tmp_path / "ddp")]
+    command += ["--master-port", str(free_port()), "-m", "moonvit_train", *args, "--out", str(tmp_path / "ddp")]
     result = run_ranks(command)
     assert result.returncode == 0, result.stderr[-3000:]
     train(*args, "--out", tmp_path / "one")
@@ -203,7 +203,7 @@ def test_two_ranks_evaluate_a_split_of_one_pack(tmp_path, teacher_dir):
     args = [*DISTILL, "--teacher", str(teacher_dir), "--steps", "2", "--packs-per-step", "2", "--resolution", "28"]
     args += ["--batch-patches", "2048"]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["--master-port", str(free_port()), "-m", "train", *args, "--out", str(tmp_path / "ddp")]
+    command += ["--master-port", str(free_port()), "-m", "moonvit_train", *args, "--out", str(tmp_path / "ddp")]
     result = run_ranks(command)  # a hang fails here, its workers killed
     assert result.returncode == 0, result.stderr[-3000:]
     two = json.loads((tmp_path / "ddp" / "results.json").read_text())

@@ -47,8 +47,8 @@ from PIL import Image
 
 from moonvit import MoonViT, MoonViTImageProcessor, preset_config
 from moonvit.model.linear import set_cpu_bf16_matmul
-from projector import MoonViTProjector, ProjectorConfig
-from projector.splice import MEDIA_PAD_TOKEN_ID
+from moonvit_projector import MoonViTProjector, ProjectorConfig
+from moonvit_projector.splice import MEDIA_PAD_TOKEN_ID
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]

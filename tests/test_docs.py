@@ -95,7 +95,14 @@ def help_text(kind: str, target: str) -> tuple[int, str]:
 
 def test_the_docs_show_the_main_commands():
     assert ("script", "scripts/demo.sh") in COMMANDS
-    for module in ("moonvit", "projector.export", "eval.linear_probe", "train", "moonvit.onnx", "moonvit.gguf"):
+    for module in (
+        "moonvit",
+        "moonvit_projector.export",
+        "moonvit_eval.linear_probe",
+        "moonvit_train",
+        "moonvit.onnx",
+        "moonvit.gguf",
+    ):
         assert ("module", module) in COMMANDS, module
 
 

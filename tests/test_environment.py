@@ -14,16 +14,16 @@ import pytest
 from moonvit.environment import busy_cores, command_environment, started_as_command
 
 REPO = Path(__file__).resolve().parents[1]
-COMMANDS = ("moonvit", "projector.export", "eval.linear_probe", "train", "moonvit.onnx", "moonvit.gguf")
+COMMANDS = ("moonvit", "moonvit_projector.export", "moonvit_eval.linear_probe", "train", "moonvit.onnx", "moonvit.gguf")
 
 
 def test_which_command_lines_are_the_package_s_commands():
     python = sys.executable
-    assert started_as_command([python, "-m", "projector.export", "--inputs", "x"])
-    assert started_as_command([python, "-X", "importtime", "-m", "train", "--smoke"])
+    assert started_as_command([python, "-m", "moonvit_projector.export", "--inputs", "x"])
+    assert started_as_command([python, "-X", "importtime", "-m", "moonvit_train", "--smoke"])
     assert started_as_command([python, "/usr/local/bin/moonvit", "--help"])
     assert not started_as_command([python, "-m", "pytest", "tests"])
-    assert not started_as_command([python, "script.py", "-m", "train"])  # -m after the script is its own
+    assert not started_as_command([python, "script.py", "-m", "moonvit_train"])  # -m after the script is its own
     assert not started_as_command([python, "-c", "import moonvit"])
     assert not started_as_command([python])
 

@@ -1,4 +1,4 @@
-"""`python -m projector.export`: tokens, failures, resume after SIGKILL, torchrun, reruns."""
+"""`python -m moonvit_projector.export`: tokens, failures, resume after SIGKILL, torchrun, reruns."""
 
 from __future__ import annotations
 
@@ -28,14 +28,14 @@ from PIL import Image
 from safetensors import safe_open
 
 import moonvit
-import projector.export.run as export_run
+import moonvit_projector.export.run as export_run
 from moonvit import MoonViT, MoonViTImageProcessor
 from moonvit.files import sha256_file
 from moonvit.model.attention import resolve_attn_implementation
 from moonvit.runs import compute_facts
-from projector import MoonViTProjector, ProjectorConfig
-from projector.dataset import VisualTokenDataset
-from projector.export import ExportError, InputImage, read_inputs, split_balanced
+from moonvit_projector import MoonViTProjector, ProjectorConfig
+from moonvit_projector.dataset import VisualTokenDataset
+from moonvit_projector.export import ExportError, InputImage, read_inputs, split_balanced
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def export_command(*args: str | Path) -> list[str]:
-    return [sys.executable, "-m", "projector.export", *map(str, args), "--threads", "1"]
+    return [sys.executable, "-m", "moonvit_projector.export", *map(str, args), "--threads", "1"]
 
 
 def manifest(out: Path) -> list[dict]:
@@ -166,7 +166,7 @@ def test_projector_from_reads_the_projector_of_another_folder(tmp_path, capsys):
     assert all(torch.equal(ours[key]["projected"], reference[key]["projected"]) for key in ours)
 
     line = export_error(capsys, *common, "--checkpoint", tower, "--projector-from", tower, "--out", tmp_path / "x")
-    assert line.startswith(f"python -m projector.export: error: --projector-from {tower}: ")
+    assert line.startswith(f"python -m moonvit_projector.export: error: --projector-from {tower}: ")
     narrow = tmp_path / "narrow"
     MoonViTProjector(ProjectorConfig(vision_hidden_size=32, text_hidden_size=16)).save_pretrained(narrow)
     line = export_error(capsys, *common, "--checkpoint", tower, "--projector-from", narrow, "--out", tmp_path / "x")
@@ -235,7 +235,7 @@ def test_a_list_that_is_not_text_is_one_error_naming_the_file(tmp_path, checkpoi
     args = ["--inputs", tmp_path / "photo.heic", "--checkpoint", checkpoint, "--out", tmp_path / "o"]
     line = export_error(capsys, *args)
     assert line.startswith(
-        f"python -m projector.export: error: --inputs {tmp_path / 'photo.heic'} is not a text list of paths "
+        f"python -m moonvit_projector.export: error: --inputs {tmp_path / 'photo.heic'} is not a text list of paths "
         "(it holds binary data); --inputs takes a folder, an image or video file (.avi .bmp "
     )
     assert "\\udc" not in line and "PNG" not in line and not (tmp_path / "o").exists()
@@ -534,7 +534,8 @@ def test_a_cache_shared_by_processes_starting_at_once(tmp_path, checkpoint):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     runs = [
         subprocess.Popen(
-            [sys.executable, "-m", "projector.export", *common, "--out", str(tmp_path / f"out{k}"), "--threads", "1"],
+            [sys.executable, "-m", "moonvit_projector.export", *common, "--out", str(tmp_path / f"out{k}"),
+             "--threads", "1"],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for k in range(3)
@@ -621,7 +622,11 @@ def test_two_process_torchrun_export_equals_one_process(tmp_path, checkpoint):
 
 def test_help_lists_the_options():
     result = subprocess.run(
-        [sys.executable, "-m", "projector.export", "--help"], cwd=REPO, capture_output=True, text=True, check=True
+        [sys.executable, "-m", "moonvit_projector.export", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     for option in (
         "--inputs",

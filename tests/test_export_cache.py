@@ -1,4 +1,4 @@
-"""`python -m projector.export`: each image encoded once (duplicates in a run, and ``--cache``)."""
+"""`python -m moonvit_projector.export`: each image encoded once (duplicates in a run, and ``--cache``)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 from helpers import make_checkpoint, run_export, write_images
 
-import projector.export.shards as shards_module
+import moonvit_projector.export.shards as shards_module
 from moonvit import MoonViTImageProcessor
 from moonvit.encode import encode_processed
-from projector.dataset import VisualTokenDataset
+from moonvit_projector.dataset import VisualTokenDataset
 
 
 def manifest(out: Path) -> list[dict]:

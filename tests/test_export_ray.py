@@ -1,4 +1,4 @@
-"""`python -m projector.export --engine ray`: the local engine's bytes, through faults, on a local Ray."""
+"""`python -m moonvit_projector.export --engine ray`: the local engine's bytes, through faults, on a local Ray."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ import moonvit.runs
 from moonvit import MoonViT, MoonViTImageProcessor
 from moonvit.model.attention import resolve_attn_implementation
 from moonvit.runs import compute_facts
-from projector.dataset import VisualTokenDataset
-from projector.export import ExportError, ExportRun, export, load_models, plan_input, ray_engine, scan_inputs
-from projector.export.cache import TokenCache
-from projector.export.ray_engine import EncodePacks
+from moonvit_projector.dataset import VisualTokenDataset
+from moonvit_projector.export import ExportError, ExportRun, export, load_models, plan_input, ray_engine, scan_inputs
+from moonvit_projector.export.cache import TokenCache
+from moonvit_projector.export.ray_engine import EncodePacks
 
 ray = pytest.importorskip("ray")
 
@@ -272,7 +272,7 @@ def test_cuda_actors_on_a_machine_without_gpus_are_refused(tmp_path, checkpoint,
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     args = [str(a) for a in common(images, checkpoint)]
-    command = [sys.executable, "-m", "projector.export", *args, "--out", str(tmp_path / "out")]
+    command = [sys.executable, "-m", "moonvit_projector.export", *args, "--out", str(tmp_path / "out")]
     command += ["--engine", "ray", "--device", "cuda", "--threads", "1"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -312,7 +312,7 @@ def test_a_ray_export_s_stderr_holds_its_bar_only(tmp_path, checkpoint):
     """Ray's start notice and its core worker's records (Ray Data gives its actors their
     arguments in the object store) stay off the export's stderr."""
     write_images(tmp_path / "images", 3, seed=5)
-    command = [sys.executable, "-m", "projector.export", "--inputs", str(tmp_path / "images")]
+    command = [sys.executable, "-m", "moonvit_projector.export", "--inputs", str(tmp_path / "images")]
     command += ["--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"), "--engine", "ray", "--threads", "1"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("RAY_AUTH_MODE", None)  # the notice is Ray's on a start with the mode unset
@@ -350,7 +350,7 @@ def test_a_killed_driver_resumes_to_the_same_bytes(tmp_path, checkpoint):
     write_images(tmp_path / "images", 24, seed=11)
     args = [str(a) for a in common(tmp_path / "images", checkpoint)] + ["--threads", "1"]
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "projector.export", *args, "--out", str(out), "--engine", "ray"]
+    command = [sys.executable, "-m", "moonvit_projector.export", *args, "--out", str(out), "--engine", "ray"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     # its own process group: the driver and the local Ray it started die together, as on a lost machine
     process = subprocess.Popen(

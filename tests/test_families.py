@@ -12,7 +12,7 @@ from moonvit import MoonViT, MoonViTConfig, preset_config
 from moonvit.model.config import PRESETS
 from moonvit.model.position import resample_taps
 from moonvit.perf import config_flops, encoder_flops
-from train.build import describe
+from moonvit_train.build import describe
 
 # The one-line shapes train.build.describe wrote before the config answered for itself: a run
 # resumes only where the checkpoint's string equals the new one, so these may not change.

@@ -8,8 +8,8 @@ import torch
 from helpers import randomize_
 from PIL import Image
 
-from eval.feature_maps import align_signs, main, pca_rgb
 from moonvit import MoonViT, MoonViTImageProcessor, preset_config
+from moonvit_eval.feature_maps import align_signs, main, pca_rgb
 
 
 def test_the_scores_are_numpys_first_three_principal_components_up_to_sign():

@@ -109,7 +109,7 @@ def test_a_latin1_name_and_a_name_spelled_as_its_escape_are_two_inputs(tmp_path)
 
 
 def test_the_linear_probe(latin1_classes, tmp_path, capsys):
-    from eval.linear_probe import main
+    from moonvit_eval.linear_probe import main
 
     args = ["--preset", "tiny", "--random-init", "--dataset", f"imagefolder:{latin1_classes}", "--short-side", "28"]
     args += ["--no-baseline", "--min-steps", "5", "--lrs", "0.01", "--weight-decays", "0", "--logreg-Cs", "0.1"]
@@ -120,7 +120,7 @@ def test_the_linear_probe(latin1_classes, tmp_path, capsys):
 
 
 def test_the_trainer_with_a_bad_image_left_out(latin1_classes, tmp_path, capsys):
-    from train.loop import main
+    from moonvit_train.loop import main
 
     (latin1_classes / os.fsdecode(b"plain/bad\xe9.png")).write_bytes(b"")  # unreadable, and named in Latin-1
     args = ["--objective", "supervised", "--preset", "tiny", "--dataset", f"imagefolder:{latin1_classes}"]

@@ -23,7 +23,7 @@ from moonvit import MoonViT, MoonViTImageProcessor, preset_config, tokens_per_im
 from moonvit.gguf import export_gguf, split_half_rope_rows
 from moonvit.gguf.__main__ import main as gguf_main
 from moonvit.model.rope import apply_rope, rope_rotation
-from projector import MoonViTProjector, ProjectorConfig
+from moonvit_projector import MoonViTProjector, ProjectorConfig
 
 gguf = pytest.importorskip("gguf")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 
 from moonvit import CheckpointError, MoonViT, MoonViTImageProcessor
 from moonvit.weights.hub import is_hub_id, source_label
-from projector import MoonViTProjector, ProjectorConfig
+from moonvit_projector import MoonViTProjector, ProjectorConfig
 
 REPO_ID = "moonshotai/Kimi-VL-A3B-Instruct"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -317,13 +317,21 @@ def test_the_command_lines_take_a_hub_id_with_hf_hub_offline(tmp_path, models):
     subprocess.run([*main_job, "--out", str(out / "main")], env=env, check=True, capture_output=True)
     assert json.loads((out / "main" / "summary.json").read_text())["source"] == REPO_ID
     (tmp_path / "list.txt").write_text("a.png\n")
-    export = [sys.executable, "-m", "projector.export", "--checkpoint", REPO_ID, "--inputs", str(tmp_path / "list.txt")]
+    export = [
+        sys.executable,
+        "-m",
+        "moonvit_projector.export",
+        "--checkpoint",
+        REPO_ID,
+        "--inputs",
+        str(tmp_path / "list.txt"),
+    ]
     export += ["--out", str(out / "export"), "--store", "both", "--threads", "1"]
     result = subprocess.run(export, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     run = json.loads((out / "export" / "run.json").read_text())
     assert run["checkpoint"]["path"] == REPO_ID and run["processor"]["in_token_limit"] == 16384
-    trainer = [sys.executable, "-m", "train", "--objective", "supervised", "--checkpoint", REPO_ID, "--smoke"]
+    trainer = [sys.executable, "-m", "moonvit_train", "--objective", "supervised", "--checkpoint", REPO_ID, "--smoke"]
     trainer += ["--dataset", "digits", "--steps", "2", "--evals", "0", "--threads", "1", "--out", str(out / "train")]
     result = subprocess.run([*trainer, "--no-progress", "--peak-tflops", "1"], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -16,7 +16,7 @@ from helpers import (
 
 from moonvit import CheckpointError, MoonViT, preset_config
 from moonvit.model.encoder import temporal_table
-from projector import MoonViTProjector, ProjectorConfig
+from moonvit_projector import MoonViTProjector, ProjectorConfig
 
 pytest.importorskip("transformers.models.kimi_k25.modeling_kimi_k25")
 from moonvit.weights.transformers import to_transformers

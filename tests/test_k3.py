@@ -31,7 +31,7 @@ from moonvit import (
 )
 from moonvit.media.video import VideoInfo
 from moonvit.model.blocks import make_norm
-from projector import MoonViTProjector, ProjectorConfig, k3_media_prompts
+from moonvit_projector import MoonViTProjector, ProjectorConfig, k3_media_prompts
 
 # Clips of 1 to 4 frames with odd-aspect images, and an image of exactly the table's 64 x 64 (the
 # table used as it is, without resampling).
@@ -288,8 +288,8 @@ def test_the_command_lines_take_a_k3_folder(tmp_path, capsys):
     from PIL import Image
     from safetensors.torch import load_file
 
-    from eval.linear_probe import main as probe_main
     from moonvit.__main__ import main as moonvit_main
+    from moonvit_eval.linear_probe import main as probe_main
 
     model = tiny_k3_model(dtype=torch.float32)
     folder = write_k3_release_folder(tmp_path / "k3", model, tiny_k3_projector(model))
@@ -343,7 +343,7 @@ def test_the_video_budget_sets_the_frames_scale_and_padding_may_exceed_it_as_in_
 
 
 def test_a_k3_training_run_saves_k3_s_processors(tmp_path):
-    from train.loop import main as train_main
+    from moonvit_train.loop import main as train_main
 
     out = tmp_path / "run"
     train_main(["--objective", "mae", "--preset", "tiny-v2", "--dataset", "digits", "--threads", "1",

@@ -1,4 +1,4 @@
-"""The figures ``python -m eval.linear_probe`` reports beside the linear probe: the weighted kNN
+"""The figures ``python -m moonvit_eval.linear_probe`` reports beside the linear probe: the weighted kNN
 classifier (against a NumPy reference), scikit-learn's logistic regression, the encoder's images/s
 and the CSV that collects runs."""
 
@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from eval.datasets import load_dataset
-from eval.features import pixel_features
-from eval.knn import KnnConfig, knn_predict, run_knn
-from eval.linear_probe import main
-from eval.logreg import LogRegConfig, run_logreg
-from eval.probe import Standardizer
-from eval.splits import stratified_split
+from moonvit_eval.datasets import load_dataset
+from moonvit_eval.features import pixel_features
+from moonvit_eval.knn import KnnConfig, knn_predict, run_knn
+from moonvit_eval.linear_probe import main
+from moonvit_eval.logreg import LogRegConfig, run_logreg
+from moonvit_eval.probe import Standardizer
+from moonvit_eval.splits import stratified_split
 
 # ---- kNN -----------------------------------------------------------------------------------------
 

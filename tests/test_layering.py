@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 LIBRARY = Path(__file__).resolve().parents[1] / "moonvit"
-PROGRAMS = {"projector", "eval", "train"}
+PROGRAMS = {"moonvit_projector", "moonvit_eval", "moonvit_train", "projector", "eval", "train"}
 KNOWN_CYCLES: set[tuple[str, ...]] = set()
 """Import cycles among the library's modules that exist today; the set may shrink, never grow."""
 

@@ -10,7 +10,7 @@ from helpers import random_pack, tiny_model
 
 import moonvit.model.linear as cpu_linear
 from moonvit.model.linear import cpu_bf16_matmul, cpu_bf16_matmul_mode, linear, set_cpu_bf16_matmul
-from projector import MoonViTProjector, ProjectorConfig
+from moonvit_projector import MoonViTProjector, ProjectorConfig
 
 needs_fusion = pytest.mark.skipif(
     not cpu_linear.onednn_bf16_linear(), reason="oneDNN's bf16 linear does not run here (no oneDNN, or no AVX-512)"

@@ -1,4 +1,4 @@
-"""The linear-probe solvers, metrics and CLI (``python -m eval.linear_probe``)."""
+"""The linear-probe solvers, metrics and CLI (``python -m moonvit_eval.linear_probe``)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import torch
 from helpers import tiny_model
 from PIL import Image
 
-from eval.datasets import load_dataset
-from eval.features import pixel_features
-from eval.linear_probe import main
-from eval.metrics import classification_metrics
-from eval.probe import ProbeConfig, Standardizer, fit_logistic_lbfgs, run_probe, train_adamw_heads
+from moonvit_eval.datasets import load_dataset
+from moonvit_eval.features import pixel_features
+from moonvit_eval.linear_probe import main
+from moonvit_eval.metrics import classification_metrics
+from moonvit_eval.probe import ProbeConfig, Standardizer, fit_logistic_lbfgs, run_probe, train_adamw_heads
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +87,9 @@ FAST += ["--logreg-Cs", "0.1"]  # scikit-learn's logistic regression: one C (its
 
 
 def test_the_command_line_becomes_one_typed_run(tmp_path):
-    from eval.knn import KnnConfig
-    from eval.linear_probe import ProbeRun, build_parser
-    from eval.logreg import LogRegConfig
+    from moonvit_eval.knn import KnnConfig
+    from moonvit_eval.linear_probe import ProbeRun, build_parser
+    from moonvit_eval.logreg import LogRegConfig
 
     argv = ["--preset", "tiny", "--random-init", "--dataset", "digits", "--out", str(tmp_path / "run"), *FAST]
     argv += ["--knn-k", "20", "10", "20", "--val-fraction", "0.2", "--seed", "3", "--no-baseline"]
@@ -102,7 +102,7 @@ def test_the_command_line_becomes_one_typed_run(tmp_path):
     assert run.views == ["mean"] and run.threads == 2 and run.dtype is None and run.preset == "tiny"
     assert run.cache_dir == tmp_path.resolve() / "feature-cache"
     assert run.results_csv == tmp_path.resolve() / "probe_results.csv"
-    assert run.command == " ".join(["python -m eval.linear_probe", *argv])
+    assert run.command == " ".join(["python -m moonvit_eval.linear_probe", *argv])
     skipped = ProbeRun.from_args(build_parser().parse_args([*argv, "--no-knn", "--no-logreg"]))
     assert skipped.knn is None and skipped.logreg is None and skipped.knn_columns == (10, 20)  # empty CSV cells
 
@@ -139,7 +139,7 @@ def test_cli_on_digits_writes_results_and_reuses_features(tmp_path, capsys):
 def test_the_baseline_is_fitted_once_for_the_same_data_and_settings(tmp_path, capsys, monkeypatch):
     """The raw-pixels figures come from the cache on a rerun (the same numbers, and the output
     says so); a changed setting they depend on fits them again."""
-    import eval.linear_probe as linear_probe
+    import moonvit_eval.linear_probe as linear_probe
 
     fits: list[str] = []
     fitted = linear_probe.probe_view
@@ -174,7 +174,7 @@ def test_the_baseline_is_fitted_once_for_the_same_data_and_settings(tmp_path, ca
 
 
 def test_ctrl_c_keeps_the_views_that_finished(tmp_path, capsys, monkeypatch):
-    import eval.linear_probe as linear_probe
+    import moonvit_eval.linear_probe as linear_probe
 
     finished = linear_probe.probe_view
 

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 import moonvit.weights.storage as storage
 from moonvit import CheckpointError, MoonViT, MoonViTImageProcessor
-from projector import (
+from moonvit_projector import (
     IMG_CONTEXT_TOKEN_ID,
     MoonViTProjector,
     locateanything_image_ids,
@@ -274,9 +274,9 @@ def test_the_context_tokens_take_the_projected_rows_in_order_past_the_labels(per
 
 
 def test_the_command_lines_take_a_locateanything_folder(tmp_path, capsys):
-    from eval.linear_probe import main as probe_main
     from moonvit.__main__ import main as moonvit_main
     from moonvit.onnx.__main__ import main as onnx_main
+    from moonvit_eval.linear_probe import main as probe_main
 
     model, projector = tiny_locateanything(dtype=torch.float32)
     folder = write_locateanything_folder(tmp_path / "la", model, projector)

@@ -13,12 +13,12 @@ from helpers import randomize_
 from safetensors.torch import load_file
 from test_train import REPO, free_port, kill_after_steps, train
 
-from eval.datasets import Split
 from moonvit import MoonViT, MoonViTImageProcessor, build_packed_grid, preset_config
 from moonvit.model.attention import bind_attention
-from train.batch import ImageSource, render_pack
-from train.objectives.mae import MAEObjective, patch_targets, sincos_2d
-from train.plan import PlannedTrainImage, TokenDrop
+from moonvit_eval.datasets import Split
+from moonvit_train.batch import ImageSource, render_pack
+from moonvit_train.objectives.mae import MAEObjective, patch_targets, sincos_2d
+from moonvit_train.plan import PlannedTrainImage, TokenDrop
 
 MAE = ["--objective", "mae", "--preset", "tiny", "--dataset", "digits", "--threads", "1", "--no-progress"]
 MAE += ["--resolution", "56", "--batch-patches", "512", "--randaugment", "0", "0", "--evals", "1"]
@@ -130,7 +130,7 @@ def test_a_sigkill_then_the_same_command_gives_the_uninterrupted_weights(tmp_pat
 def test_two_rank_gloo_ddp_equals_one_process(tmp_path):
     args = [*MAE, "--steps", "8", "--packs-per-step", "2", "--resolution", "28", "56"]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["--master-port", str(free_port()), "-m", "train", *args, "--out", str(tmp_path / "ddp")]
+    command += ["--master-port", str(free_port()), "-m", "moonvit_train", *args, "--out", str(tmp_path / "ddp")]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     train(*args, "--out", tmp_path / "one")

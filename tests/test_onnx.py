@@ -24,7 +24,7 @@ from moonvit.onnx import export as export_module
 from moonvit.onnx.__main__ import main as onnx_main
 from moonvit.onnx.export import compare_with_model
 from moonvit.onnx.graph import OnnxEncoder
-from projector import MoonViTProjector, ProjectorConfig
+from moonvit_projector import MoonViTProjector, ProjectorConfig
 
 onnx = pytest.importorskip("onnx")
 onnxruntime = pytest.importorskip("onnxruntime")

@@ -5,7 +5,7 @@ import torch
 from helpers import tiny_model
 from PIL import Image
 
-from eval.pictures import main, position_similarity, resampled_table
+from moonvit_eval.pictures import main, position_similarity, resampled_table
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 
@@ -32,7 +32,7 @@ def test_pictures_cli_writes_a_png_of_a_checkpoint_table(tmp_path, capsys):
 
 
 def test_the_readme_command_writes_a_default_file_with_its_whole_title(tmp_path, monkeypatch):
-    """``python -m eval.pictures --checkpoint checkpoints/fm-supervised --grid 4 4`` needs no --out, and the
+    """``python -m moonvit_eval.pictures --checkpoint checkpoints/fm-supervised --grid 4 4`` needs no --out, and the
     default title, wider than a 4 x 4 picture, wraps: no ink touches the picture's edges."""
     monkeypatch.chdir(tmp_path)
     main(["--checkpoint", str(CHECKPOINTS / "fm-supervised"), "--grid", "4", "4"])

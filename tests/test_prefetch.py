@@ -67,7 +67,7 @@ def test_negative_workers_are_refused():
 
 
 def test_feature_extraction_with_workers_equals_inline():
-    from eval.features import ResizePolicy, extract_features
+    from moonvit_eval.features import ResizePolicy, extract_features
 
     model, processor = tiny_model(seed=3), MoonViTImageProcessor()
     generator = torch.Generator().manual_seed(0)
@@ -86,7 +86,7 @@ def test_feature_extraction_with_workers_equals_inline():
 def test_export_with_workers_writes_the_same_bytes(tmp_path):
     from helpers import make_checkpoint, write_images
 
-    from projector.export import main as export_main
+    from moonvit_projector.export import main as export_main
 
     checkpoint, images = make_checkpoint(tmp_path / "ckpt"), tmp_path / "images"
     write_images(images, 9)

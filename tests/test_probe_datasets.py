@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from eval.datasets import DatasetError, load_dataset, read_idx
-from eval.splits import stratified_split
+from moonvit_eval.datasets import DatasetError, load_dataset, read_idx
+from moonvit_eval.splits import stratified_split
 
 
 def write_idx(path: Path, array: np.ndarray, compress: bool) -> None:

@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from eval.linear_probe import main
-from eval.probe import ProbeConfig, ProbeDataWarning, check_probe_labels, run_probe
-from eval.report import save_confusion_png
 from moonvit import IMAGE_EXTENSIONS
+from moonvit_eval.linear_probe import main
+from moonvit_eval.probe import ProbeConfig, ProbeDataWarning, check_probe_labels, run_probe
+from moonvit_eval.report import save_confusion_png
 
 FAST = ["--min-steps", "20", "--lrs", "0.1", "--weight-decays", "0", "--threads", "1", "--short-side", "28"]
 
@@ -43,7 +43,10 @@ def refused(capsys, args) -> str:
     "counts, message",
     [
         ({"cats": 12}, r"needs at least 2 classes with training images; this data has 1 \['cats'\]"),
-        ({"train/a": 1, "train/b": 1, "test/a": 1, "test/b": 1}, r"selection split \(0.1 of train\) is empty"),
+        (
+            {"train/a": 1, "train/b": 1, "test/a": 1, "test/b": 1},
+            r"selection split \(0.1 of train\) is empty",
+        ),
         ({"a": 1, "b": 1, "c": 1}, "the test split has no images"),  # 1 image per class: all go to train
         ({"train/a": 5, "train/b": 4, "test/c": 2}, r"test has classes missing from"),
         ({"train/a": 5, "test/a": 2, "test/b": 1}, "has classes missing from"),
@@ -54,7 +57,7 @@ def test_degenerate_data_is_refused_before_any_work(tmp_path, capsys, counts, me
     line = refused(
         capsys, ["--preset", "tiny", "--random-init", "--dataset", spec, "--out", str(tmp_path / "out"), *FAST]
     )
-    assert line.startswith("python -m eval.linear_probe: error: cannot probe --dataset")
+    assert line.startswith("python -m moonvit_eval.linear_probe: error: cannot probe --dataset")
     assert re.search(message, line), line
     assert not (tmp_path / "feature-cache").exists() and not (tmp_path / "out").exists()
 

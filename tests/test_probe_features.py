@@ -7,10 +7,10 @@ import pytest
 import torch
 from helpers import tiny_model
 
-from eval.datasets import Split
-from eval.encoder import FrozenEncoder, load_frozen_encoder, weights_hash
-from eval.features import FeatureCache, ResizePolicy, encoder_views, extract_features, split_features
 from moonvit import MoonViT, MoonViTImageProcessor
+from moonvit_eval.datasets import Split
+from moonvit_eval.encoder import FrozenEncoder, load_frozen_encoder, weights_hash
+from moonvit_eval.features import FeatureCache, ResizePolicy, encoder_views, extract_features, split_features
 
 
 def frozen(seed: int = 0, **overrides) -> FrozenEncoder:
@@ -136,7 +136,7 @@ def test_preset_hash_depends_on_seed_and_needs_random_init():
 def test_pixels_of_image_files_show_progress_and_are_cached(tmp_path, capsys, monkeypatch):
     from PIL import Image
 
-    import eval.features as features
+    import moonvit_eval.features as features
 
     paths = []
     for i in range(5):

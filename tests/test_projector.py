@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import moonvit.weights.storage as storage
 from moonvit import CheckpointError, MoonViT
-from projector import MoonViTProjector, ProjectorConfig
+from moonvit_projector import MoonViTProjector, ProjectorConfig
 
 D, TEXT = 64, 48  # the tiny encoder's width; a small LLM width
 

@@ -30,7 +30,7 @@ from moonvit import MoonViT, MoonViTImageProcessor, preset_config
 from moonvit.weights.formats import TowerLayout
 from moonvit.weights.release import save_release
 from moonvit.weights.storage import INDEX_FILE, SINGLE_FILE, tensor_names
-from projector import MoonViTProjector, ProjectorConfig
+from moonvit_projector import MoonViTProjector, ProjectorConfig
 
 
 def kimi_projector(model: MoonViT, text_hidden_size: int = 32, seed: int = 3) -> MoonViTProjector:

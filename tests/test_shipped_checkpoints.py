@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from eval.datasets import DEFAULT_FASHION_MNIST_DIR, load_dataset
-from eval.features import ResizePolicy, extract_features
-from eval.pictures import position_similarity, resampled_table
 from moonvit import MoonViT, MoonViTImageProcessor
+from moonvit_eval.datasets import DEFAULT_FASHION_MNIST_DIR, load_dataset
+from moonvit_eval.features import ResizePolicy, extract_features
+from moonvit_eval.pictures import position_similarity, resampled_table
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 SHIPPED = ("fm-supervised", "fm-mae", "fm-mae-ft", "fm-distilled")

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from helpers import random_pack, tiny_model
 
-from projector import (
+from moonvit_projector import (
     IGNORE_INDEX,
     MoonViTProjector,
     ProjectorConfig,
@@ -301,7 +301,7 @@ def test_both_conventions_give_the_same_loss():
 
 
 def test_chunks_count_their_spatial_tokens_whatever_their_frames():
-    from projector import expand_media_pads, media_prompt, video_prompt
+    from moonvit_projector import expand_media_pads, media_prompt, video_prompt
 
     assert visual_token_counts(torch.tensor([[4, 4, 6], [1, 2, 2], [3, 2, 4]])) == [6, 1, 2]
     text = media_prompt() + " and " + video_prompt([0.0, 2.5])
@@ -317,7 +317,7 @@ def test_chunks_count_their_spatial_tokens_whatever_their_frames():
 
 
 def test_k3_s_image_markers_carry_the_original_size_from_the_manifest():
-    from projector import expand_media_pads, k3_image_prompt, k3_media_prompts
+    from moonvit_projector import expand_media_pads, k3_image_prompt, k3_media_prompts
 
     assert k3_image_prompt(640, 480) == "<|media_begin|>image 640x480<|media_content|><|media_pad|><|media_end|>"
     records = [  # manifest.jsonl lines: an image scaled down to its budget, then a video's chunk

@@ -1,4 +1,5 @@
-"""`python -m train`: the plan, packing, rendering, the optimiser's groups, the whole run, resume and bad input."""
+"""`python -m moonvit_train`: the plan, packing, rendering, the optimiser's groups, the whole run, resume and
+bad input."""
 
 from __future__ import annotations
 
@@ -22,14 +23,14 @@ from helpers import interruptible
 from PIL import Image
 from safetensors.torch import load_file
 
-import train.loop as train_loop
-from eval.datasets import Split
+import moonvit_train.loop as train_loop
 from moonvit import MoonViT, MoonViTImageProcessor, build_packed_grid, patchify, preset_config
-from train.augment import AugmentConfig, mix_images
-from train.batch import ImageSource, render_pack
-from train.loop import main
-from train.optim import OptimConfig, lr_factor, param_groups
-from train.plan import ImageStream, Packer, PlannedTrainImage, Resolution, TokenDrop, default_lookahead
+from moonvit_eval.datasets import Split
+from moonvit_train.augment import AugmentConfig, mix_images
+from moonvit_train.batch import ImageSource, render_pack
+from moonvit_train.loop import main
+from moonvit_train.optim import OptimConfig, lr_factor, param_groups
+from moonvit_train.plan import ImageStream, Packer, PlannedTrainImage, Resolution, TokenDrop, default_lookahead
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--objective", "supervised", "--preset", "tiny", "--dataset", "digits", "--threads", "1", "--no-progress"]
@@ -193,7 +194,7 @@ def test_smoke_run_writes_a_loadable_encoder_a_head_results_and_curves(tmp_path)
 )
 def test_the_curves_draw_the_objectives_own_metric_or_the_loss_alone(tmp_path, metric, panels):
     """Supervised: top-1; distillation: its cosine; MAE (no metric): no empty second panel."""
-    from train.log import plot_curves
+    from moonvit_train.log import plot_curves
 
     extra = {} if metric is None else {metric: 0.5}
     records = [{"kind": "train", "step": s, "loss": 1 / s, **extra} for s in range(1, 6)]
@@ -205,9 +206,9 @@ def test_the_curves_draw_the_objectives_own_metric_or_the_loss_alone(tmp_path, m
 
 
 def kill_after_steps(args: list, out: Path, steps: int) -> None:
-    """Start ``python -m train ARGS --out OUT``, SIGKILL it once ``steps`` training steps are logged
+    """Start ``python -m moonvit_train ARGS --out OUT``, SIGKILL it once ``steps`` training steps are logged
     (or after 60 s, or when it ends by itself)."""
-    command = [sys.executable, "-m", "train", *map(str, args), "--out", str(out)]
+    command = [sys.executable, "-m", "moonvit_train", *map(str, args), "--out", str(out)]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     log = out / "metrics.jsonl"
     deadline = time.monotonic() + 60
@@ -310,7 +311,7 @@ def test_unreadable_images_are_one_line_or_left_out_and_recorded(tmp_path):
 
 def interrupt_at_step(monkeypatch, step: int) -> None:
     """Ctrl-C (KeyboardInterrupt) in the middle of training step ``step`` of the next in-process run."""
-    from train.trainer import Trainer
+    from moonvit_train.trainer import Trainer
 
     original = Trainer.train_step
 
@@ -342,10 +343,10 @@ def test_resuming_with_other_threads_warns_records_it_and_supervised_runs_draw_n
 
 
 def test_ctrl_c_prints_one_line_naming_the_kept_step_and_exits_130(tmp_path):
-    """SIGINT to a real ``python -m train``: no traceback, one line saying which step's checkpoint is
+    """SIGINT to a real ``python -m moonvit_train``: no traceback, one line saying which step's checkpoint is
     kept and that the same command resumes, exit status 130; the same command then resumes there."""
     args = [*RUN, "--steps", "400", "--save-every", "2", "--evals", "0"]
-    command = [sys.executable, "-m", "train", *map(str, args), "--out", str(tmp_path)]
+    command = [sys.executable, "-m", "moonvit_train", *map(str, args), "--out", str(tmp_path)]
     process = subprocess.Popen(
         command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible
     )
@@ -359,7 +360,7 @@ def test_ctrl_c_prints_one_line_naming_the_kept_step_and_exits_130(tmp_path):
         _, stderr = process.communicate(timeout=300)
     except subprocess.TimeoutExpired:
         process.kill()
-        pytest.fail("python -m train did not stop on SIGINT")
+        pytest.fail("python -m moonvit_train did not stop on SIGINT")
     assert process.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     saved = torch.load(tmp_path / "state" / "last.pt", weights_only=False)["step"]
@@ -424,7 +425,7 @@ def test_a_checkpoint_of_another_shape_is_refused(tmp_path):
 
 
 def test_a_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
-    from train.objectives.supervised import SupervisedObjective
+    from moonvit_train.objectives.supervised import SupervisedObjective
 
     original = SupervisedObjective.forward
     calls = {"n": 0}
@@ -444,7 +445,7 @@ def test_a_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoin
 
 
 def test_help_documents_every_flag():
-    result = subprocess.run([sys.executable, "-m", "train", "--help"], cwd=REPO, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "moonvit_train", "--help"], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0
     for flag in (
         "--token-drop",
@@ -510,7 +511,7 @@ def run_ranks(command: list[str], timeout: float = 300) -> subprocess.CompletedP
 def test_two_rank_gloo_ddp_equals_one_process_with_the_same_global_packs(tmp_path):
     args = [*RUN, *MIXED, "--steps", "12", "--packs-per-step", "2"]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["--master-port", str(free_port()), "-m", "train", *args, "--out", str(tmp_path / "ddp")]
+    command += ["--master-port", str(free_port()), "-m", "moonvit_train", *args, "--out", str(tmp_path / "ddp")]
     result = run_ranks(command)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Warning" not in result.stderr, result.stderr[-3000:]  # no torch warning printed by every rank
@@ -524,7 +525,16 @@ def test_two_rank_gloo_ddp_equals_one_process_with_the_same_global_packs(tmp_pat
 def test_two_rank_fsdp2_equals_one_process_in_fp32(tmp_path):
     args = [*RUN, "--steps", "6", "--packs-per-step", "2", "--dtype", "fp32"]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["--master-port", str(free_port()), "-m", "train", *args, "--fsdp", "--out", str(tmp_path / "fsdp")]
+    command += [
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "moonvit_train",
+        *args,
+        "--fsdp",
+        "--out",
+        str(tmp_path / "fsdp"),
+    ]
     result = run_ranks(command)
     assert result.returncode == 0, result.stderr[-3000:]
     train(*args, "--out", tmp_path / "one")
@@ -539,7 +549,7 @@ def release_folder(family: str, folder: Path) -> Path:
     """A test-size release folder of ``family`` (tower, projector, processor settings)."""
     from helpers import randomize_, tiny_locateanything, write_k25_release_folder, write_locateanything_folder
 
-    from projector import MoonViTProjector, ProjectorConfig
+    from moonvit_projector import MoonViTProjector, ProjectorConfig
 
     if family == "locateanything":
         return write_locateanything_folder(folder, *tiny_locateanything())
@@ -562,8 +572,8 @@ def test_a_fine_tuned_release_tower_keeps_its_projector_and_exports_projected_to
     from helpers import run_export, write_images
 
     from moonvit.media.video import MoonViTVideoProcessor
-    from projector import MoonViTProjector
-    from projector.dataset import VisualTokenDataset
+    from moonvit_projector import MoonViTProjector
+    from moonvit_projector.dataset import VisualTokenDataset
 
     source = release_folder(family, tmp_path / "release")
     saved = fine_tune(source, tmp_path / "run")
@@ -594,7 +604,7 @@ def test_save_layout_release_writes_the_fine_tuned_tower_in_its_releases_layout(
     """``--save-layout release``: LocateAnything's config.json and tensor names, the tower the own layout
     holds (the same run) and the source's projector, both read back by the release loaders."""
     from moonvit.weights.storage import tensor_names
-    from projector import MoonViTProjector
+    from moonvit_projector import MoonViTProjector
 
     source = release_folder("locateanything", tmp_path / "release")
     own = fine_tune(source, tmp_path / "own")

@@ -11,8 +11,8 @@ import torch.nn as nn
 from safetensors.torch import load_file
 from test_train import free_port, interrupt_at_step, run_ranks, train, weights
 
-from train.ema import WeightEMA
-from train.trainer import Trainer
+from moonvit_train.ema import WeightEMA
+from moonvit_train.trainer import Trainer
 
 TINY = ["--preset", "tiny", "--dataset", "digits", "--threads", "1", "--no-progress", "--resolution", "28"]
 RUN = ["--objective", "supervised", *TINY, "--batch-patches", "1024", "--evals", "1", "--hflip", "0"]
@@ -88,7 +88,7 @@ def test_fsdp2_resumes_the_average_into_its_shards_and_gathers_it(tmp_path, monk
         with pytest.raises(SystemExit):
             train(*args, "--out", tmp_path / "ranks")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port"]
-    command += [str(free_port()), "-m", "train", *args, "--out", str(tmp_path / "ranks")]
+    command += [str(free_port()), "-m", "moonvit_train", *args, "--out", str(tmp_path / "ranks")]
     result = run_ranks(command, timeout=120)  # SIGKILLs every rank on a hang
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming" in result.stdout and "at step 2 of 4 (2 ranks)" in result.stdout, result.stdout

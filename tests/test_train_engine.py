@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from test_train import REPO, descendants, free_port, run_ranks, train, weights
 
 from moonvit.distributed import Ranks, process_group_backend
-from train.config import parse_args
+from moonvit_train.config import parse_args
 
 TINY = ["--preset", "tiny", "--dataset", "digits", "--threads", "1", "--no-progress", "--resolution", "28"]
 SUPERVISED = ["--objective", "supervised", *TINY, "--batch-patches", "1024", "--evals", "1", "--hflip", "0"]
@@ -30,7 +30,7 @@ SUPERVISED = ["--objective", "supervised", *TINY, "--batch-patches", "1024", "--
 
 def torchrun(ranks: int, args: list, out: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
-            str(free_port()), "-m", "train", *map(str, args), "--out", str(out)]  # fmt: skip
+            str(free_port()), "-m", "moonvit_train", *map(str, args), "--out", str(out)]  # fmt: skip
 
 
 def kill_after(command: list[str], out: Path, steps: int) -> None:
@@ -102,7 +102,7 @@ def test_gradient_checkpointing_is_wired_and_changes_no_result(tmp_path, monkeyp
 
 
 def test_the_encoder_is_built_with_checkpointing_when_asked():
-    from train.build import build_encoder
+    from moonvit_train.build import build_encoder
 
     config = parse_args(["--objective", "supervised", *TINY, "--steps", "1", "--out", "x", "--grad-checkpointing"])
     encoder, _ = build_encoder(config)
@@ -121,7 +121,7 @@ def test_fsdp2_resumes_at_another_world_size(tmp_path, first, then):
     args = [*SUPERVISED, "--steps", "12", "--save-every", "2", "--packs-per-step", "2", "--dtype", "fp32", "--fsdp"]
     train(*args, "--out", tmp_path / "straight")
     out = tmp_path / "switched"
-    alone = [sys.executable, "-m", "train", *map(str, args), "--out", str(out)]
+    alone = [sys.executable, "-m", "moonvit_train", *map(str, args), "--out", str(out)]
     kill_after(torchrun(2, args, out) if first == 2 else alone, out, 3)  # the state of step 2 is written
     assert not (out / "results.json").exists() and (out / "state" / "last.pt").is_file()
     command = torchrun(2, args, out) if then == 2 else alone
@@ -137,7 +137,7 @@ def test_fsdp2_resumes_at_another_world_size(tmp_path, first, then):
 
 def test_a_minutes_run_keeps_its_calibration_when_resumed(tmp_path):
     args = [*SUPERVISED, "--minutes", "0.2", "--save-every", "2"]
-    command = [sys.executable, "-m", "train", *map(str, args), "--out", str(tmp_path)]
+    command = [sys.executable, "-m", "moonvit_train", *map(str, args), "--out", str(tmp_path)]
     kill_after(command, tmp_path, 3)
     assert (tmp_path / "state" / "last.pt").is_file() and not (tmp_path / "results.json").exists()
     saved = torch.load(tmp_path / "state" / "last.pt", weights_only=False)

@@ -1,4 +1,4 @@
-"""Fine-tuning part of a tower with `python -m train`: --freeze tower, --freeze-blocks N and LoRA adapters
+"""Fine-tuning part of a tower with `python -m moonvit_train`: --freeze tower, --freeze-blocks N and LoRA adapters
 (--lora-rank): what trains and what stays bit for bit, what the optimizer holds, what autograd records,
 what is saved, exact resume, and the settings as part of the run's identity; also under DDP and FSDP2."""
 
@@ -15,9 +15,9 @@ from test_train import free_port, interrupt_at_step, run_ranks, train, weights
 import moonvit.model.blocks as blocks
 from moonvit import MoonViT, build_packed_grid
 from moonvit.model.lora import LoRALinear, load_adapter
-from train.build import TrainError, build_encoder
-from train.config import parse_args
-from train.trainer import Trainer
+from moonvit_train.build import TrainError, build_encoder
+from moonvit_train.config import parse_args
+from moonvit_train.trainer import Trainer
 
 TINY = ["--preset", "tiny", "--dataset", "digits", "--threads", "1", "--no-progress", "--resolution", "28"]
 RUN = ["--objective", "supervised", *TINY, "--batch-patches", "1024", "--evals", "0", "--hflip", "0"]
@@ -178,7 +178,7 @@ def test_two_ranks_train_what_one_process_trains(tmp_path, flags):
     process ends, the frozen weights untouched on both."""
     args = [*RUN, "--steps", "3", "--packs-per-step", "2", *flags]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["--master-port", str(free_port()), "-m", "train", *args, "--out", str(tmp_path / "ranks")]
+    command += ["--master-port", str(free_port()), "-m", "moonvit_train", *args, "--out", str(tmp_path / "ranks")]
     result = run_ranks(command, timeout=120)  # SIGKILLs every rank on a hang
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Warning" not in result.stderr, result.stderr[-3000:]

@@ -20,10 +20,10 @@ import torch
 from helpers import folder_bytes, interruptible, make_checkpoint, run_export, write_images
 from safetensors import safe_open
 
-import projector.export.run as export_run
+import moonvit_projector.export.run as export_run
 from moonvit.files import DiskFullError, save_safetensors_atomic, write_text_atomic
-from train.checkpoint import save_state
-from train.config import SMOKE, parse_args
+from moonvit_train.checkpoint import save_state
+from moonvit_train.config import SMOKE, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -125,10 +125,10 @@ def test_the_trainers_state_save_into_a_full_disk_is_one_line(tiny_disk):
     out = tiny_disk / "run"
     args = ["--objective", "supervised", "--preset", "tiny", "--dataset", "digits", "--steps", "2"]
     args += ["--save-every", "1", "--evals", "0", "--dtype", "fp32", "--resolution", "28", "--batch-patches", "256"]
-    result = run("train", *args, "--threads", "1", "--no-progress", "--out", out)
+    result = run("moonvit_train", *args, "--threads", "1", "--no-progress", "--out", out)
     line = last_line(result, 1)
     path = re.escape(str(out / "state" / "last.pt"))
-    assert re.fullmatch(f"python -m train: error: {FULL_DISK.format(path=path)}", line), line
+    assert re.fullmatch(f"python -m moonvit_train: error: {FULL_DISK.format(path=path)}", line), line
     assert files_below(out) == {"metrics.jsonl"}
 
 
@@ -143,8 +143,8 @@ def test_an_export_into_a_full_disk_is_one_line_and_resumes_to_the_same_bytes(ti
     filler = fill(tiny_disk, pages // 2 * 4096)  # about half of the export fits
     out = tiny_disk / "out"
 
-    line = last_line(run("projector.export", *common, "--threads", "1", "--out", out), 1)
-    match = re.fullmatch(f"python -m projector.export: error: {FULL_DISK.format(path='(.+)')}", line)
+    line = last_line(run("moonvit_projector.export", *common, "--threads", "1", "--out", out), 1)
+    match = re.fullmatch(f"python -m moonvit_projector.export: error: {FULL_DISK.format(path='(.+)')}", line)
     assert match is not None and Path(match.group(1)).parent in (out, out / "parts"), line
     written = files_below(out)
     assert "manifest.jsonl" not in written and not [name for name in written if name.endswith(".tmp")]
@@ -158,7 +158,7 @@ def test_an_export_into_a_full_disk_is_one_line_and_resumes_to_the_same_bytes(ti
             assert names and all(handle.get_tensor(name).numel() for name in names)
 
     filler.unlink()
-    resumed = run("projector.export", *common, "--threads", "1", "--out", out)
+    resumed = run("moonvit_projector.export", *common, "--threads", "1", "--out", out)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert folder_bytes(out) == folder_bytes(tmp_path / "reference")
 
@@ -207,7 +207,7 @@ def test_ctrl_c_in_the_export_is_one_line_naming_the_finished_shards(tmp_path, c
     write_images(tmp_path / "images", 120, seed=6)
     common = ["--inputs", tmp_path / "images", "--checkpoint", checkpoint, "--shard-size", "4"]
     out = tmp_path / "out"
-    export = Started(tmp_path / "logs", "projector.export", *common, "--threads", "1", "--out", out)
+    export = Started(tmp_path / "logs", "moonvit_projector.export", *common, "--threads", "1", "--out", out)
     line = last_line(export.interrupt_when((out / "parts" / "shard-000000.json").exists), 130)
 
     finished = sorted(p.name for p in (out / "parts").glob("*.json"))
@@ -215,7 +215,8 @@ def test_ctrl_c_in_the_export_is_one_line_naming_the_finished_shards(tmp_path, c
     count = len(finished)
     shown = "0" if count == 1 else f"0-{count - 1}"  # one rank writes its shards in order
     assert line == (
-        f"python -m projector.export: interrupted: {count} of 30 shards finished in {out} ({shown}), each whole; "
+        f"python -m moonvit_projector.export: interrupted: {count} of 30 shards finished in {out} ({shown}), "
+        "each whole; "
         "the same command resumes with the rest"
     )
     assert 1 <= count < 30
@@ -242,7 +243,7 @@ def test_ctrl_c_on_the_ray_engine_goes_through_the_same_handler(tmp_path, checkp
             pytest.fail("Ctrl-C on the Ray engine passed the command's handler")
     assert exit_info.value.code == 130
     assert capsys.readouterr().err.splitlines()[-1] == (
-        f"python -m projector.export: interrupted: 1 of 2 shards finished in {out} (0), each whole; "
+        f"python -m moonvit_projector.export: interrupted: 1 of 2 shards finished in {out} (0), each whole; "
         "the same command resumes with the rest"
     )
 
@@ -291,13 +292,13 @@ def test_ctrl_c_in_the_onnx_export_is_one_line_and_leaves_no_graph(tmp_path, che
 @pytest.mark.parametrize(
     "module, missing",
     [
-        ("train", "--objective, --out, --preset or --checkpoint, --dataset (or --smoke alone, a quick check)"),
-        ("projector.export", "--inputs, --checkpoint, --out"),
+        ("moonvit_train", "--objective, --out, --preset or --checkpoint, --dataset (or --smoke alone, a quick check)"),
+        ("moonvit_projector.export", "--inputs, --checkpoint, --out"),
         ("moonvit.onnx", "--checkpoint, --out"),
         ("moonvit.gguf", "--checkpoint, --out"),
-        ("eval.linear_probe", "--dataset"),
-        ("eval.pictures", "--checkpoint"),
-        ("eval.feature_maps", "--checkpoint"),
+        ("moonvit_eval.linear_probe", "--dataset"),
+        ("moonvit_eval.pictures", "--checkpoint"),
+        ("moonvit_eval.feature_maps", "--checkpoint"),
     ],
 )
 def test_missing_required_arguments_are_one_line_with_where_to_look(module, missing):
@@ -309,7 +310,7 @@ def test_missing_required_arguments_are_one_line_with_where_to_look(module, miss
 
 
 def test_smoke_alone_is_a_whole_run_of_the_tiny_preset_on_digits(tmp_path, monkeypatch, capsys):
-    from train.loop import main
+    from moonvit_train.loop import main
 
     config = parse_args(["--smoke"])
     assert (config.run.objective, config.model.preset, config.data.dataset) == ("supervised", "tiny", "digits")
@@ -319,7 +320,7 @@ def test_smoke_alone_is_a_whole_run_of_the_tiny_preset_on_digits(tmp_path, monke
     # a given value is kept: a smoke run on another dataset keeps its resolution
     config = parse_args(["--smoke", "--dataset", "fashion-mnist", "--out", str(tmp_path / "fm")])
     assert config.data.resolution == (56, 112) and config.run.out == tmp_path / "fm"
-    assert capsys.readouterr().out == "python -m train --smoke: --objective supervised --preset tiny\n"
+    assert capsys.readouterr().out == "python -m moonvit_train --smoke: --objective supervised --preset tiny\n"
 
     monkeypatch.chdir(tmp_path)
     previous = torch.get_num_threads()
@@ -329,6 +330,6 @@ def test_smoke_alone_is_a_whole_run_of_the_tiny_preset_on_digits(tmp_path, monke
         torch.set_num_threads(previous)
     assert results["steps"] == 3 and (tmp_path / "runs" / "smoke" / "checkpoint" / "model.safetensors").is_file()
     assert capsys.readouterr().out.startswith(
-        "python -m train --smoke: --objective supervised --out runs/smoke --preset tiny --dataset digits "
+        "python -m moonvit_train --smoke: --objective supervised --out runs/smoke --preset tiny --dataset digits "
         "--resolution 28 --batch-patches 1024\n"
     )

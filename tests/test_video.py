@@ -19,7 +19,7 @@ from moonvit.media.video import (
     probe_video,
     sample_frame_indices,
 )
-from projector import VisualTokenDataset, collate_visual_tokens
+from moonvit_projector import VisualTokenDataset, collate_visual_tokens
 
 pytest.importorskip("av")
 
@@ -314,7 +314,7 @@ def test_every_preset_brings_its_family_s_processors():
         else:
             assert config.max_frames == 1 and rule.family == "Kimi-VL" and rule.image == MoonViTImageProcessor()
     assert preset_processors("tiny-v2", side_limit_mode="error").image.side_limit_mode == "error"
-    from eval.encoder import load_frozen_encoder  # the probe's --preset takes the same rule
+    from moonvit_eval.encoder import load_frozen_encoder  # the probe's --preset takes the same rule
 
     assert load_frozen_encoder(preset="tiny-v2", random_init=True).processor == MoonViTImageProcessor.kimi_k3()
     with pytest.raises(ValueError, match="unknown preset 'nope'"):

@@ -218,7 +218,7 @@ def export_gguf(
 
     Args:
         encoder: a Kimi-VL or Kimi-K2.5 / K2.6 tower (any size; Kimi K3's is refused).
-        projector: its Kimi projector (:class:`projector.MoonViTProjector`, ``"kimi"`` type).
+        projector: its Kimi projector (:class:`moonvit_projector.MoonViTProjector`, ``"kimi"`` type).
         processor: its settings: mean / std and, for ``kimik25``, the patch budget (the file's
             ``image_max_pixels``).
         dtype: ``"f32"``, ``"f16"`` or ``"bf16"`` for the matrices (see the module docstring).

@@ -1,6 +1,6 @@
 """What the rest of the package needs from an encoder, as a structural type.
 
-``eval/`` and ``projector/export/`` are typed against :class:`VisionEncoder`,
+``moonvit_eval/`` and ``moonvit_projector/export/`` are typed against :class:`VisionEncoder`,
 not the concrete :class:`~moonvit.model.encoder.MoonViT`, so a wrapped,
 compiled or future encoder (another checkpoint family) serves them as long as it
 has these members.

@@ -1,7 +1,7 @@
 """The projector model, which lives in the library: :mod:`moonvit.model.projector` (the module and its
 config) and :mod:`moonvit.weights.projector` (the checkpoint layouts and the loader).
 
-Re-exported here so that ``from projector.model import ...`` keeps working.
+Re-exported here so that ``from moonvit_projector.model import ...`` keeps working.
 """
 
 from moonvit.model.projector import CONFIG_FILE, PROJECTOR_TYPES, WEIGHTS_FILE, MoonViTProjector, ProjectorConfig

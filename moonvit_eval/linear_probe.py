@@ -1,18 +1,18 @@
 """Linear-probe a frozen MoonViT encoder on an image-classification dataset.
 
-    python -m eval.linear_probe --preset tiny --random-init --dataset fashion-mnist --out outputs/probe/tiny
+    python -m moonvit_eval.linear_probe --preset tiny --random-init --dataset fashion-mnist --out outputs/probe/tiny
 
 Protocol: the frozen encoder's features are extracted once per split (eval mode, no augmentation,
 packs of whole images under a patch budget) and cached on disk; they are standardised with
 training statistics; a linear probe is selected on a seeded stratified 10% of train, refitted on
-all of train and scored once on test (see :mod:`eval.probe`). The same probe on raw pixels is the
+all of train and scored once on test (see :mod:`moonvit_eval.probe`). The same probe on raw pixels is the
 baseline row unless ``--no-baseline``; its figures are cached too, keyed by everything they depend
 on (:func:`baseline_key`), so a rerun on the same data with the same settings reuses them and says
 so (``cache_hit``'s ``results``, ``cached`` in the table's seconds, a line on stderr).
 
 On the same features, as DINOv3 and RADIO report them: the weighted kNN classifier (DINO's: cosine,
-k of ``--knn-k``, T = 0.07, :mod:`eval.knn`) and scikit-learn's logistic regression (C chosen on
-the same 10%, :mod:`eval.logreg`), each on test and on the validation cut; and the encoder's
+k of ``--knn-k``, T = 0.07, :mod:`moonvit_eval.knn`) and scikit-learn's logistic regression (C chosen on
+the same 10%, :mod:`moonvit_eval.logreg`), each on test and on the validation cut; and the encoder's
 images/s at the probe's resolution and dtype (forward only, timed while the test split is
 extracted, or on its first 512 images when its features come from the cache).
 

@@ -26,12 +26,12 @@ NO_DECAY_NAMES = ("pos_emb.weight",)
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """The optimisation recipe (``python -m train``'s optimisation flags, same names).
+    """The optimisation recipe (``python -m moonvit_train``'s optimisation flags, same names).
 
     ``head_lr``: peak rate of the objective's own parameters (None: ``lr``, see :attr:`objective_lr`);
     ``warmup``: linear warmup share of the steps; ``min_lr_ratio``: final rate / peak rate;
     ``clip_grad``: gradient norm clip (0: off); ``ema``: decay of the moving average of the trained
-    weights (:mod:`train.ema`; None: none kept).
+    weights (:mod:`moonvit_train.ema`; None: none kept).
     """
 
     lr: float

@@ -1,4 +1,4 @@
-"""One probe run, typed: what ``python -m eval.linear_probe`` was asked to do.
+"""One probe run, typed: what ``python -m moonvit_eval.linear_probe`` was asked to do.
 
 :class:`ProbeRun` is built once from the parsed command line (:meth:`ProbeRun.from_args`); the
 probe, its views and its report read it, never the ``argparse.Namespace``. Its sections are the
@@ -27,7 +27,7 @@ from .probe import ProbeConfig
 
 __all__ = ["ProbeArgumentError", "ProbeRun"]
 
-PROGRAM = "python -m eval.linear_probe"
+PROGRAM = "python -m moonvit_eval.linear_probe"
 
 
 class ProbeArgumentError(ValueError):

@@ -106,7 +106,7 @@ def k3_image_prompt(width: int, height: int) -> str:
 
 
 def k3_media_prompts(records: Iterable[Mapping[str, Any]]) -> list[str]:
-    """Each item's markers in Kimi K3's prompt, from ``projector.export``'s ``manifest.jsonl`` records
+    """Each item's markers in Kimi K3's prompt, from ``moonvit_projector.export``'s ``manifest.jsonl`` records
     (``VisualTokenDataset(folder).records``), in their order.
 
     An image's are :func:`k3_image_prompt` of its ``size`` (the export records the size the

@@ -1,8 +1,8 @@
 """scikit-learn's multinomial logistic regression on frozen features: the other linear figure papers report.
 
-Beside :mod:`eval.probe`'s own solvers, a reference anyone can rerun: ``LogisticRegression``
+Beside :mod:`moonvit_eval.probe`'s own solvers, a reference anyone can rerun: ``LogisticRegression``
 (lbfgs, multinomial: scikit-learn's only mode for lbfgs, default tolerance) on the features
-standardised as the probe standardises them (:class:`eval.probe.Standardizer`: statistics of the
+standardised as the probe standardises them (:class:`moonvit_eval.probe.Standardizer`: statistics of the
 rows a fit trains on, optional L2 normalisation first). The inverse regularisation C is chosen on
 the probe's validation cut; the choice is refitted on all of train and test is scored once.
 

@@ -23,7 +23,8 @@ class ExportError(RuntimeError):
 
 @dataclass(frozen=True)
 class ExportRun:
-    """One export: every setting of ``python -m projector.export`` (see :func:`projector.export.cli.build_parser`)."""
+    """One export: every setting of ``python -m moonvit_projector.export`` (see
+    :func:`moonvit_projector.export.cli.build_parser`)."""
 
     inputs: Path
     """Image folder, text file of paths, or JSONL of ``{id, path}`` lines."""
@@ -51,9 +52,9 @@ class ExportRun:
     workers: int = 0
     """Threads decoding the next packs while one encodes (the same bytes as 0)."""
     cache: Path | None = None
-    """Content-addressed token store (:mod:`projector.export.cache`), or None; not run-defining."""
+    """Content-addressed token store (:mod:`moonvit_projector.export.cache`), or None; not run-defining."""
     engine: str = "local"
-    """``local`` (this process, or torchrun's ranks) or ``ray`` (:mod:`projector.export.ray_engine`);
+    """``local`` (this process, or torchrun's ranks) or ``ray`` (:mod:`moonvit_projector.export.ray_engine`);
     not run-defining: both write the same bytes."""
     encoder_actors: int = 1
     """``--engine ray``: encoder actors (one GPU each on CUDA)."""

@@ -1,4 +1,4 @@
-"""``python -m projector.export``'s command line: the parser, and the :class:`ExportRun` it gives."""
+"""``python -m moonvit_projector.export``'s command line: the parser, and the :class:`ExportRun` it gives."""
 
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ DESCRIPTION = "Pre-compute the visual tokens of a whole image collection, for LL
 
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
-        prog="python -m projector.export",
+        prog="python -m moonvit_projector.export",
         description=DESCRIPTION,
-        epilog="Data-parallel: torchrun --nproc-per-node K -m projector.export ...; "
+        epilog="Data-parallel: torchrun --nproc-per-node K -m moonvit_projector.export ...; "
         "past one machine: --engine ray --ray-address auto",
     )
     parser.add_argument(

@@ -1,6 +1,6 @@
 """Pictures of what an encoder learned: its position table's similarity map (the ViT paper's figure).
 
-    python -m eval.pictures --checkpoint checkpoints/fm-supervised --grid 4 4
+    python -m moonvit_eval.pictures --checkpoint checkpoints/fm-supervised --grid 4 4
     # -> outputs/pictures/fm-supervised-position-similarity-4x4.png (or --out FILE.png)
 
 Each small map is one position of the learnable table; its pixels are that position's cosine
@@ -83,7 +83,7 @@ def fit_title(figure: Any, text: str, fontsize: float) -> tuple[Any, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="python -m eval.pictures", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m moonvit_eval.pictures", description=__doc__.split("\n\n")[0])
     add_checkpoint_argument(parser, required=True)
     parser.add_argument(
         "--out",

@@ -91,7 +91,7 @@ class Objective(nn.Module, ABC):
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Flags of this objective (added to ``python -m train``'s parser)."""
+        """Flags of this objective (added to ``python -m moonvit_train``'s parser)."""
 
     @classmethod
     def options_from(cls, args: argparse.Namespace) -> Any:

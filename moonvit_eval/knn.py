@@ -8,7 +8,7 @@ matrix never exists whole: 10,000 test images against a 60,000-image bank would 
 float32.
 
 :func:`run_knn` scores the test split with all of train as the bank, and the probe's validation
-cut (:func:`eval.splits.stratified_split`, the same seed and share) with the rest of train as the
+cut (:func:`moonvit_eval.splits.stratified_split`, the same seed and share) with the rest of train as the
 bank, so runs can be compared without looking at test.
 """
 

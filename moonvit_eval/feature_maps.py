@@ -1,10 +1,10 @@
 """Pictures of patch features: the first three principal components of each encoder's patch tokens
 as RGB, encoders side by side (DINO's and RADIO's picture of a teacher beside its students).
 
-    python -m eval.feature_maps --checkpoint checkpoints/fm-mae-ft --checkpoint checkpoints/fm-distilled \
+    python -m moonvit_eval.feature_maps --checkpoint checkpoints/fm-mae-ft --checkpoint checkpoints/fm-distilled \
         --dataset fashion-mnist --count 6 --short-side 168
     # -> outputs/pictures/feature-maps-fm-mae-ft-fm-distilled.png (or --out FILE.png)
-    python -m eval.feature_maps --checkpoint checkpoints/fm-mae-ft --dataset images:photos/
+    python -m moonvit_eval.feature_maps --checkpoint checkpoints/fm-mae-ft --dataset images:photos/
 
 The images are a seeded choice of a dataset's test split, or of the images below a folder
 (``images:DIR``, at any depth: a picture needs no labels).
@@ -150,7 +150,7 @@ def save_feature_maps(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="python -m eval.feature_maps", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m moonvit_eval.feature_maps", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--checkpoint", action="append", required=True, type=checkpoint_source,
         help="a checkpoint folder or hub id; repeat for encoders side by side (the first sets the colours)",

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 import moonvit
-from eval.datasets import DEFAULT_FASHION_MNIST_DIR
 from moonvit.cli import (
     ENCODER_OPTIONS,
     ArgumentParser,
@@ -41,6 +40,7 @@ from moonvit.cli import (
 )
 from moonvit.model.attention import AttentionUnavailableError, resolve_attn_implementation
 from moonvit.model.lora import LORA_TARGETS
+from moonvit_eval.datasets import DEFAULT_FASHION_MNIST_DIR
 
 from .augment import AugmentConfig
 from .objectives import OBJECTIVES
@@ -80,14 +80,14 @@ NOT_RUN_DEFINING = frozenset(
 )
 """Arguments that may differ between a run and its resumption (they do not change the weights)."""
 
-PROG = "python -m train"
+PROG = "python -m moonvit_train"
 
 SMOKE = {"steps": 30, "eval_limit": 256, "evals": 2}
 """What ``--smoke`` sets: 30 steps (unless a length is given) and evaluations on at most 256 images."""
 
 SMOKE_DEFAULTS = {"objective": "supervised", "preset": "tiny", "dataset": "digits", "out": "runs/smoke"}
 """What ``--smoke`` takes for the arguments a run otherwise requires, where the command gives none:
-``python -m train --smoke`` alone trains the tiny preset on scikit-learn's digits (bundled, offline)."""
+``python -m moonvit_train --smoke`` alone trains the tiny preset on scikit-learn's digits (bundled, offline)."""
 
 SMOKE_DIGITS = {"resolution": [28], "batch_patches": 1024}
 """With the digits ``--smoke`` chose, where the command leaves them at their defaults: the 8x8 images at
@@ -169,7 +169,7 @@ class RuntimeSection:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """One training run, as the command line describes it (typed; see ``python -m train --help``), in
+    """One training run, as the command line describes it (typed; see ``python -m moonvit_train --help``), in
     sections: ``run``, ``model``, ``data``, ``augment`` (:class:`~train.augment.AugmentConfig`),
     ``optim`` (:class:`~train.optim.OptimConfig`), ``runtime``, and ``options``: the objective's own
     options, its :attr:`~train.objectives.Objective.Options` dataclass. :meth:`flat` gives every
@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Train a MoonViT encoder on packed native-resolution images. Rerunning the same command "
         "resumes from the last checkpoint in --out.",
-        epilog="Data-parallel: torchrun --nproc-per-node K -m train ... (gloo on CPU, NCCL on GPUs; each rank "
+        epilog="Data-parallel: torchrun --nproc-per-node K -m moonvit_train ... (gloo on CPU, NCCL on GPUs; each rank "
         "takes its share of every step's packs).",
     )
     run = parser.add_argument_group("run")

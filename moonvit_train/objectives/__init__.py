@@ -1,7 +1,7 @@
 """Training objectives, by name: an objective is a module that turns a pack into a loss.
 
 A new objective (MAE, say) is one subclass of :class:`Objective` in its own module here and one
-entry in :data:`OBJECTIVES`; ``python -m train --objective NAME`` then runs it on the shared engine.
+entry in :data:`OBJECTIVES`; ``python -m moonvit_train --objective NAME`` then runs it on the shared engine.
 """
 
 from __future__ import annotations

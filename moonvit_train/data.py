@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from eval.datasets import DatasetError, Split, load_dataset
-from eval.probe import check_probe_labels
-from eval.splits import stratified_split
 from moonvit import ImageLoadError, MoonViTImageProcessor, image_size
 from moonvit.media.image import images_below
 from moonvit.names import path_record
+from moonvit_eval.datasets import DatasetError, Split, load_dataset
+from moonvit_eval.probe import check_probe_labels
+from moonvit_eval.splits import stratified_split
 
 from .batch import ImageSource
 

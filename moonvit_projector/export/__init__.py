@@ -1,7 +1,7 @@
 """Pre-compute the visual tokens of a whole image collection, for LLM alignment training.
 
-    python -m projector.export --inputs images/ --checkpoint ckpt/ --out tokens/
-    torchrun --nproc-per-node 2 -m projector.export --inputs list.txt --checkpoint ckpt/ --out tokens/
+    python -m moonvit_projector.export --inputs images/ --checkpoint ckpt/ --out tokens/
+    torchrun --nproc-per-node 2 -m moonvit_projector.export --inputs list.txt --checkpoint ckpt/ --out tokens/
 
 The inputs are split, in input order, into shards of ``--shard-size`` images. Shard k is written
 to ``shard-{k:06d}.safetensors``: one tensor per stored kind, the images' tokens back to back

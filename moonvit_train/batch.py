@@ -15,7 +15,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-from eval.datasets import Split
 from moonvit import (
     ImageLoadError,
     MoonViTConfig,
@@ -25,6 +24,7 @@ from moonvit import (
     image_size,
     patchify,
 )
+from moonvit_eval.datasets import Split
 
 from .augment import AugmentConfig, Mixed, augment_image, mix_images
 from .plan import PlannedTrainImage

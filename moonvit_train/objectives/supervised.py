@@ -14,10 +14,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from eval.metrics import classification_metrics
 from moonvit import MoonViT, pool_features
 from moonvit.cli import drop_rate
 from moonvit.files import save_safetensors_atomic, write_text_atomic
+from moonvit_eval.metrics import classification_metrics
 
 from ..batch import Batch
 from ..plan import PlannedTrainImage

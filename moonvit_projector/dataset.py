@@ -1,4 +1,4 @@
-"""Read the visual tokens written by ``python -m projector.export``, one image at a time."""
+"""Read the visual tokens written by ``python -m moonvit_projector.export``, one image at a time."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class VisualTokenDataset(Dataset):
     ``grid_thw`` (frames, rows, cols) and each stored kind: ``projected`` (n, llm_hidden) and / or
     ``merged`` (n, 4, D), in the export dtype, n = rows * cols / 4. A video's chunk (id
     ``<video id>#<chunk>``) also has ``video_id``, ``chunk``, ``timestamp`` (seconds of its first
-    frame, what ``projector.video_prompt`` takes), ``frames`` and ``frame_indices``; an image has
+    frame, what ``moonvit_projector.video_prompt`` takes), ``frames`` and ``frame_indices``; an image has
     none of these keys. Only the image's rows are read from its shard
     (``safe_open(...).get_slice``), and the item owns just those rows. Shards are opened on
     first use in each process and open handles are not pickled, so the dataset works with

@@ -1,4 +1,4 @@
-"""``python -m train``: the trainer (:func:`train.loop.main`); a full disk is one ``error:`` line
+"""``python -m moonvit_train``: the trainer (:func:`moonvit_train.loop.main`); a full disk is one ``error:`` line
 (:func:`moonvit.cli.exit_on`), naming the file being written."""
 
 from moonvit.cli import ArgumentParser, exit_on

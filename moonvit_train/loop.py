@@ -1,9 +1,9 @@
-"""``python -m train``: the run itself.
+"""``python -m moonvit_train``: the run itself.
 
-Build the run (:mod:`train.build`), resume its state if ``--out`` holds it (refusing another run,
+Build the run (:mod:`moonvit_train.build`), resume its state if ``--out`` holds it (refusing another run,
 naming what differs), fix the step count (``--steps``, ``--epochs`` from simulated packs, or
 ``--minutes`` from timed steps, the calibration kept with the state), then step
-(:class:`train.trainer.Trainer`), validating at ``--evals`` points and saving every
+(:class:`moonvit_train.trainer.Trainer`), validating at ``--evals`` points and saving every
 ``--save-every`` steps and at the end. At the end: export the encoder and the objective's files,
 score the test split once, and, with ``--probe-dataset``, linear-probe the exported encoder.
 """
@@ -26,13 +26,13 @@ import torch
 from tqdm import tqdm
 
 import moonvit
-from eval.datasets import DatasetError, load_dataset
 from moonvit.cli import apply_threads, one_line_warnings, torch_dtype
 from moonvit.distributed import Ranks, close_ranks, init_ranks
 from moonvit.files import write_text_atomic
 from moonvit.model.linear import cpu_has_bf16_arithmetic
 from moonvit.names import display_name
 from moonvit.perf import matmul_peak
+from moonvit_eval.datasets import DatasetError, load_dataset
 
 from .batch import UnreadableImageError
 from .build import TrainError, build_encoder, build_plan, describe, steps_for_epochs
@@ -274,9 +274,9 @@ def _peak_flops(config: TrainConfig, device: torch.device) -> float:
 
 
 def probe(config: TrainConfig) -> dict[str, Any]:
-    """``python -m eval.linear_probe`` on the exported encoder and ``--probe-dataset``, its results in
+    """``python -m moonvit_eval.linear_probe`` on the exported encoder and ``--probe-dataset``, its results in
     ``<out>/probe`` (the figures it prints, also in results.json)."""
-    from eval.linear_probe import main as probe_main
+    from moonvit_eval.linear_probe import main as probe_main
 
     argv = ["--checkpoint", str(config.run.out / "checkpoint"), "--dataset", str(config.data.probe_dataset)]
     argv += ["--out", str(config.run.out / "probe"), "--short-side", str(config.data.eval_resolution), "--no-baseline"]
@@ -347,7 +347,7 @@ def finish(trainer: Trainer) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "world_size": ranks.world_size,
         "args": {k: str(v) for k, v in config.flat().items()},
-        "command": " ".join(["python -m train", *sys.argv[1:]]),
+        "command": " ".join(["python -m moonvit_train", *sys.argv[1:]]),
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "moonvit": moonvit.__version__},
     }
     metric = next(iter(trainer.objective.metrics(val)), None)  # top1, cosine; MAE reports none

@@ -233,7 +233,7 @@ def probe_results(
     started: float,
 ) -> dict[str, Any]:
     """results.json of ``run``: its first view's figures on top, then every view's ``runs`` entry
-    (:func:`eval.probe_view.probe_view`), the dataset, encoder, preprocessing and settings, and
+    (:func:`moonvit_eval.probe_view.probe_view`), the dataset, encoder, preprocessing and settings, and
     ``interrupted_views``, the views of ``run`` that did not finish (``started``: the run's
     ``time.perf_counter()`` before the encoder was loaded)."""
     main_run = runs[0]

@@ -1,6 +1,6 @@
 """``--engine ray``: the export's packs decoded in Ray CPU tasks and encoded by a pool of actors.
 
-The driver (the process that runs ``python -m projector.export``) does what the local engine does
+The driver (the process that runs ``python -m moonvit_projector.export``) does what the local engine does
 before and after the forwards: it lists and plans the inputs, claims ``run.json``, finds the copies
 of an image and the cache hits, and groups each pending shard's remaining items into packs with
 :meth:`.shards.ShardWork.packs`, the very packs the local engine encodes. Those packs go through a
