@@ -106,10 +106,8 @@ class TokenCache:
         self.digest = hashlib.sha256(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()
         self.folder = Path(root) / self.digest
         self.kinds = tuple(self.settings["store"])
-        self.hits = 0
-        self.misses = 0
         self.corrupt = 0
-        self.written = 0
+        """Entries found damaged (or made for other settings under this digest) and so encoded again."""
 
     def path(self, sha256: str) -> Path:
         return self.folder / sha256[:2] / f"{sha256}.safetensors"
@@ -117,19 +115,18 @@ class TokenCache:
     def load(self, sha256: str) -> dict[str, torch.Tensor] | None:
         """The stored tokens of the image with this content hash, or None (a miss: absent, or an
         entry that fails its checks, counted in :attr:`corrupt`)."""
-        entry = self._read(sha256, tensors=True)
-        return entry if entry is None else entry[1]
+        return self._read(sha256, tensors=True)
 
     def has(self, sha256: str) -> bool:
         """Whether a valid-looking entry for this content hash is there, from its header alone
         (its settings, hash, kinds and lengths; the tensors' bytes are checked when :meth:`load`
-        reads them). Counted as :meth:`load` counts."""
+        reads them). A damaged header counts in :attr:`corrupt`, as in :meth:`load`."""
         return self._read(sha256, tensors=False) is not None
 
-    def _read(self, sha256: str, tensors: bool) -> tuple[dict[str, str], dict[str, torch.Tensor]] | None:
+    def _read(self, sha256: str, tensors: bool) -> dict[str, torch.Tensor] | None:
+        """The entry's tensors (none read unless ``tensors``: an empty dict) when it passes its checks."""
         path = self.path(sha256)
         if not path.is_file():
-            self.misses += 1
             return None
         loaded: dict[str, torch.Tensor] = {}
         try:
@@ -149,10 +146,8 @@ class TokenCache:
             valid = False
         if not valid:
             self.corrupt += 1
-            self.misses += 1
             return None
-        self.hits += 1
-        return metadata, loaded
+        return loaded
 
     def discard(self, sha256: str) -> None:
         """Remove the entry of this content hash (one found damaged), so that it is encoded again."""
@@ -169,4 +164,3 @@ class TokenCache:
         path.parent.mkdir(parents=True, exist_ok=True)
         metadata = {"settings": self.digest, "sha256": sha256, "tokens_sha256": tokens_sha256(stored)}
         save_safetensors_atomic(stored, path, metadata=metadata)
-        self.written += 1
