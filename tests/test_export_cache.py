@@ -125,3 +125,27 @@ def test_a_damaged_cache_entry_is_encoded_again(checkpoint, images, tmp_path, en
     ).read_bytes()
     encoded.clear()
     assert run_export(*base, "--out", tmp_path / "c")["cache_reused_this_run"] == 4  # rewritten
+
+
+def test_the_cache_key_holds_everything_the_tokens_depend_on(checkpoint, images, tmp_path):
+    """Each of run.json's token settings changes the cache folder; where the tokens go does not."""
+    from moonvit_projector.export.cache import TOKEN_SETTINGS, TokenCache, cache_settings
+
+    run_export("--inputs", images, "--checkpoint", checkpoint, "--out", tmp_path / "out")
+    run = json.loads((tmp_path / "out" / "run.json").read_text())
+    digest = TokenCache(tmp_path, cache_settings(run)).digest
+    changed = {
+        "moonvit_version": "0.0.0",
+        "models": {**run["models"], "encoder": {**run["models"]["encoder"], "rope_theta": 1.0}},
+        "compute": {**run["compute"], "host": {**run["compute"]["host"], "pillow": "0.0"}},
+        "checkpoint": {**run["checkpoint"], "sha256": "0" * 64},
+        "arguments": {**run["arguments"], "max_patches_per_pack": 64},
+    }
+    assert set(TOKEN_SETTINGS) <= set(run) and {"moonvit_version", "models", "compute"} <= set(TOKEN_SETTINGS)
+    for key, value in changed.items():
+        assert TokenCache(tmp_path, cache_settings({**run, key: value})).digest != digest, key
+    elsewhere = {**run, "inputs": {"path": "/elsewhere", "count": 1, "sha256": "0"}, "video_processor": {}}
+    assert (
+        TokenCache(tmp_path, cache_settings({**elsewhere, "checkpoint": {**run["checkpoint"], "path": "x"}})).digest
+        == digest
+    )
