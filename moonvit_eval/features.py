@@ -39,6 +39,8 @@ from moonvit import (
 from moonvit.encode import encode_processed, processed_packs
 from moonvit.files import save_safetensors_atomic, write_text_atomic
 from moonvit.media.image import ImageInput
+from moonvit.model.attention import resolve_attn_implementation
+from moonvit.runs import compute_facts
 
 from .datasets import Split
 from .encoder import FrozenEncoder
@@ -318,8 +320,16 @@ def split_features(
     views = available_views(encoder.model)
     if view not in views:
         raise ValueError(f"view {view!r} is not available for this encoder (it gives {views})")
+    model = encoder.model
     base = {
         "checkpoint": encoder.hash,
+        # the weights' hash alone does not tell a head count or a norm's eps; nor does it tell the
+        # host, threads and attention backend the features' bits depend on (moonvit.runs)
+        "config": json.loads(json.dumps(model.config.to_dict())),
+        "compute": {
+            **compute_facts(model.device),
+            "attention": resolve_attn_implementation(model.config.attn_implementation, model.device, model.dtype),
+        },
         "dtype": str(encoder.model.dtype),
         "dataset": dataset,
         "split": split_name,

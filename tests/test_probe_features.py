@@ -92,6 +92,13 @@ def test_cache_is_hit_on_a_second_run_and_missed_on_changes(tmp_path, count_forw
     torch.testing.assert_close(again, first)
     assert features(frozen(0), view="merged-mean")[1]  # extracted by the first forward
     assert not features(frozen(1))[1]  # other weights
+    heads = frozen(0).model.config.num_attention_heads
+    other_config = frozen(0, num_attention_heads=heads * 2)
+    assert other_config.hash == frozen(0).hash  # the same tensors ...
+    assert not features(other_config)[1]  # ... under another config
+    eager = frozen(0)
+    eager.model.set_attn_implementation("eager")
+    assert not features(eager)[1]  # another attention backend
     assert not features(frozen(0), resize=ResizePolicy(84))[1]  # other preprocessing
     other_processor = FrozenEncoder(
         frozen(0).model, MoonViTImageProcessor(image_mean=(0.4, 0.4, 0.4)), "x", frozen(0).hash
