@@ -325,8 +325,9 @@ def assemble(out: Path, count: int) -> tuple[dict[str, int], int]:
                 records.append({**named, **rest})
             else:  # the first copy failed to decode: so does this one
                 failures.append({**named, "reason": reasons[source]})
-    write_text_atomic(out / MANIFEST_FILE, "".join(json.dumps(line) + "\n" for line in records))
+    # the manifest last: a folder with one is whole (a disk that fills in between leaves none)
     write_text_atomic(out / FAILURES_FILE, "".join(json.dumps(line) + "\n" for line in failures))
+    write_text_atomic(out / MANIFEST_FILE, "".join(json.dumps(line) + "\n" for line in records))
     return manifest_counts(records), len(failures)
 
 
