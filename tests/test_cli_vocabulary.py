@@ -83,7 +83,15 @@ def test_atomic_writes_leave_the_old_file_on_failure(tmp_path):
 # ---- every command line ---------------------------------------------------------------------
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-BENCHMARK_SCRIPTS = ("bench_cpu", "bench_compile", "bench_export", "bench_probe", "bench_processor", "cuda_check")
+BENCHMARK_SCRIPTS = (
+    "bench_cpu",
+    "bench_compile",
+    "bench_export",
+    "bench_probe",
+    "bench_processor",
+    "cuda_check",
+    "gemm_rates",
+)
 
 
 def benchmark_parser(name: str) -> argparse.ArgumentParser:
