@@ -14,7 +14,7 @@ from typing import Any
 import PIL
 import torch
 
-from .model.linear import cpu_has_bf16_arithmetic
+from .model.linear import cpu_has_bf16_arithmetic, cpu_units
 
 __all__ = ["ABSENT", "Difference", "compute_facts", "differences", "describe_differences", "host_facts"]
 
@@ -55,10 +55,9 @@ def host_facts(device: torch.device) -> dict[str, Any]:
     former, and oneDNN picks its bf16 kernels by both; None off the CPU) and Pillow, which decodes
     and resizes."""
     on_cpu = device.type == "cpu"
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return {
         "bf16_arithmetic": cpu_has_bf16_arithmetic() if on_cpu else None,
-        "amx": bool(amx()) if amx is not None and on_cpu else None,
+        "amx": cpu_units()[0] if on_cpu else None,
         "pillow": PIL.__version__,
     }
 

@@ -98,6 +98,13 @@ def cpu_bf16_matmul() -> str:
 
 
 @functools.cache
+def cpu_units() -> tuple[bool, bool]:
+    """(AMX, AVX512-BF16) as torch reads them; False where this torch cannot tell."""
+    amx, bf16 = (getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    return amx is not None and bool(amx()), bf16 is not None and bool(bf16())
+
+
+@functools.cache
 def cpu_has_bf16_arithmetic() -> bool:
     """Whether this CPU multiplies bf16 in hardware. On x86: AVX512-BF16 or AMX, as torch reads
     them. Other architectures are taken to have it (their bf16 kernels are left as they are)."""

@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .linear import cpu_has_bf16_arithmetic
+from .linear import cpu_has_bf16_arithmetic, cpu_units
 
 if TYPE_CHECKING:
     from .grid import PackedGrid
@@ -137,16 +137,9 @@ class CpuHost:
     openvino: bool
 
 
-@functools.cache
-def _cpu_units() -> tuple[bool, bool]:
-    """(AMX, AVX512-BF16) as torch reads them; False where this torch cannot tell."""
-    amx, bf16 = (getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
-    return amx is not None and bool(amx()), bf16 is not None and bool(bf16())
-
-
 def cpu_host() -> CpuHost:
     """This process's :class:`CpuHost` (threads as set now; eager only: a tracer cannot ask)."""
-    amx, avx512_bf16 = _cpu_units()
+    amx, avx512_bf16 = cpu_units()
     return CpuHost(amx, avx512_bf16, torch.get_num_threads(), torch.__version__, openvino_not_installed() is None)
 
 
