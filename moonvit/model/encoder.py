@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
@@ -45,11 +45,30 @@ class MoonViTOutput:
         hidden_states: with ``output_hidden_states``, num_hidden_layers + 1 tensors
             of (L, D): the embeddings, then each block's output (before the final
             norm); with ``hidden_state_indices``, only those entries, in the order asked.
+
+    Towers with prefix tokens (the classic ViT, DeiT) also fill, with N the pack's items:
+
+    Attributes:
+        prefix_tokens: (N, n_prefix, D) each item's prefix rows after the final norm, CLS first
+            (then DeiT's distillation token).
+        pooled: (N, D) one vector per item: the CLS row after the final norm (a GAP tower: the
+            mean of its patch rows).
+        logits: (N, classes) where the checkpoint has a head (DeiT with teacher: the mean of its
+            two heads).
+        head_logits: (N, 2, classes) DeiT's CLS and distillation heads, apart (training).
+        pooler_output: (N, D) transformers' ViTModel pooler, where the folder has one.
+
+    The MoonViT towers leave them None.
     """
 
     last_hidden_state: torch.Tensor
     merged: torch.Tensor | None
     hidden_states: tuple[torch.Tensor, ...] | None = None
+    prefix_tokens: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    head_logits: torch.Tensor | None = None
+    pooler_output: torch.Tensor | None = None
 
 
 class PatchEmbed(nn.Module):
@@ -167,14 +186,19 @@ class MoonViT(nn.Module):
         device: torch.device | str | None = None,
         attn_implementation: str = "auto",
     ) -> MoonViT:
-        """Load from a local folder: a Kimi-VL checkpoint or this project's format.
+        """Load from a local folder or hub id: any family's checkpoint (Kimi-VL, Kimi-K2.5 / K2.6, Kimi K3,
+        LocateAnything-3B, this project's format, and the registered families of :mod:`moonvit.families`).
 
-        Only the vision tower's tensors are read; ``dtype`` defaults to the
-        checkpoint's. The model is returned in eval mode.
+        A registered family's folder (transformers' or timm's ViT / DeiT) gives that family's tower
+        (:class:`~moonvit.families.vit.ClassicViT`), which takes the same calls and returns the same
+        output contract (:class:`~moonvit.model.interface.VisionEncoder`). Only the vision tower's tensors
+        are read; ``dtype`` defaults to the checkpoint's. The model is returned in eval mode.
         """
         from ..weights.checkpoint import load_pretrained
 
-        return load_pretrained(cls, path, dtype=dtype, device=device, attn_implementation=attn_implementation)
+        # A registered family's tower is not a MoonViT, but serves every caller as one (VisionEncoder).
+        model = load_pretrained(cls, path, dtype=dtype, device=device, attn_implementation=attn_implementation)
+        return cast(MoonViT, model)
 
     def save_pretrained(
         self, path: str | Path, *, layout: str = "own", projector: MoonViTProjector | None = None
@@ -302,7 +326,7 @@ class MoonViT(nn.Module):
                 f"the grid holds clips of {grid.max_frames} frames, over the {self.config.max_frames} "
                 "this encoder takes (init_pos_emb_time)"
             )
-        selected = self._hidden_indices(output_hidden_states, hidden_state_indices)
+        selected = hidden_indices(self.config.num_hidden_layers + 1, output_hidden_states, hidden_state_indices)
         attn_implementation = resolve_attn_implementation(self.config.attn_implementation, self.device, self.dtype)
 
         x = self.patch_embed(pixel_values.to(self.dtype), grid)
@@ -324,20 +348,6 @@ class MoonViT(nn.Module):
         pooled = x.new_zeros(grid.num_slots, x.shape[1], dtype=compute_dtype).index_add_(0, grid.pool_index, weighted)
         return pooled.to(x.dtype).unflatten(0, (-1, group))
 
-    def _hidden_indices(self, output_hidden_states: bool, indices: Sequence[int] | None) -> tuple[int, ...]:
-        count = self.config.num_hidden_layers + 1
-        if indices is None:
-            return tuple(range(count)) if output_hidden_states else ()
-        resolved = []
-        for index in indices:
-            if not -count <= index < count:
-                raise ValueError(
-                    f"hidden_state_indices: {index} is out of range for {count} hidden states "
-                    f"(the embeddings and {count - 1} blocks)"
-                )
-            resolved.append(index % count)
-        return tuple(resolved)
-
     def _check_pixel_values(self, pixel_values: torch.Tensor, grid: PackedGrid) -> None:
         if not isinstance(pixel_values, torch.Tensor):
             raise TypeError(f"pixel_values must be a tensor, got {type(pixel_values).__name__}")
@@ -352,6 +362,22 @@ class MoonViT(nn.Module):
         )
         if pixel_values.device != self.device:
             raise ValueError(f"pixel_values is on {pixel_values.device}, the model on {self.device}")
+
+
+def hidden_indices(count: int, output_hidden_states: bool, indices: Sequence[int] | None) -> tuple[int, ...]:
+    """The hidden states a forward keeps, of ``count`` (the embeddings and each block): all with
+    ``output_hidden_states``, else ``indices`` resolved (negative from the end), else none."""
+    if indices is None:
+        return tuple(range(count)) if output_hidden_states else ()
+    resolved = []
+    for index in indices:
+        if not -count <= index < count:
+            raise ValueError(
+                f"hidden_state_indices: {index} is out of range for {count} hidden states "
+                f"(the embeddings and {count - 1} blocks)"
+            )
+        resolved.append(index % count)
+    return tuple(resolved)
 
 
 def _renamed_grid(grid_thws: GridInput | None, deprecated: dict[str, Any]) -> GridInput | None:

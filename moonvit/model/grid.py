@@ -448,19 +448,7 @@ def _build(
             pool_index = slot
             pool_weight = (1.0 / frames[item].to(torch.float32)).contiguous()
 
-    starts = seqlens.cumsum(0) - seqlens
-    cu_seqlens = torch.zeros(len(thws) + 1, dtype=torch.int32)
-    cu_seqlens[1:] = seqlens.cumsum(0)
-    groups = []
-    for seqlen in sorted(set(seqlens.tolist())):
-        members = (seqlens == seqlen).nonzero().flatten()
-        first, count = int(members[0]), len(members)
-        if int(members[-1]) - first + 1 == count:
-            groups.append(AttentionGroup(seqlen, count, int(starts[first]), None))
-        else:
-            token_rows = starts[members, None] + torch.arange(seqlen)
-            groups.append(AttentionGroup(seqlen, count, None, token_rows))
-
+    cu_seqlens, groups = _sequences(seqlens)
     grid = PackedGrid(
         grid_thws=thw,
         seqlens=tuple(int(s) for s in seqlens.tolist()),
@@ -479,6 +467,82 @@ def _build(
         pool_index=pool_index,
         pool_weight=pool_weight,
         num_slots=num_slots,
-        attention_groups=tuple(groups),
+        attention_groups=groups,
     )
     return grid if device is None else grid.to(device)
+
+
+def _sequences(seqlens: torch.Tensor) -> tuple[torch.Tensor, tuple[AttentionGroup, ...]]:
+    """``cu_seqlens`` (N + 1,) int32 and the attention groups of consecutive items of ``seqlens`` (N,) rows."""
+    starts = seqlens.cumsum(0) - seqlens
+    cu_seqlens = torch.zeros(len(seqlens) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = seqlens.cumsum(0)
+    groups = []
+    for seqlen in sorted(set(seqlens.tolist())):
+        members = (seqlens == seqlen).nonzero().flatten()
+        first, count = int(members[0]), len(members)
+        if int(members[-1]) - first + 1 == count:
+            groups.append(AttentionGroup(seqlen, count, int(starts[first]), None))
+        else:
+            token_rows = starts[members, None] + torch.arange(seqlen)
+            groups.append(AttentionGroup(seqlen, count, None, token_rows))
+    return cu_seqlens, tuple(groups)
+
+
+@dataclass(frozen=True)
+class PrefixedPack:
+    """A pack whose items each begin with ``count`` prefix tokens (CLS, DeiT's distillation token, registers).
+
+    Attributes:
+        grid: the token sequence's attention layout: its ``seqlens``, ``cu_seqlens``, ``max_seqlen``,
+            ``attention_groups`` and ``item_index`` count each item's prefix rows first, then its patches;
+            it has no per-patch fields (no positions, RoPE or merge), so it serves attention and
+            per-item stochastic depth only.
+        order: (N * count + L,) int64, for each token row, its row in ``cat([prefix rows (N * count, D),
+            patch rows (L, D)])``: ``tokens = cat(...).index_select(0, order)``.
+        patch_rows: (L,) int64, the token row of each patch, in pack order.
+        prefix_rows: (N * count,) int64, the token rows of the prefix tokens, item-major.
+    """
+
+    grid: PackedGrid
+    order: torch.Tensor
+    patch_rows: torch.Tensor
+    prefix_rows: torch.Tensor
+
+
+@torch.inference_mode(False)
+def prefixed_pack(grid: PackedGrid, count: int) -> PrefixedPack:
+    """The layout of ``grid``'s pack with ``count`` prefix tokens before each item's rows, on its device."""
+    seqlens = torch.tensor(grid.seqlens, dtype=torch.int64) + count
+    cu_seqlens, groups = _sequences(seqlens)
+    starts = cu_seqlens[:-1].to(torch.int64)
+    items = len(seqlens)
+    prefix_rows = (starts[:, None] + torch.arange(count)).flatten()
+    _, owner, local = _segments(seqlens - count)
+    patch_rows = starts[owner] + count + local
+    order = torch.empty(int(seqlens.sum()), dtype=torch.int64)
+    order[prefix_rows] = torch.arange(items * count)
+    order[patch_rows] = items * count + torch.arange(len(patch_rows))
+    empty = torch.empty(0, dtype=torch.int64)
+    tokens = PackedGrid(
+        grid_thws=grid.grid_thws.cpu(),
+        seqlens=tuple(int(s) for s in seqlens.tolist()),
+        cu_seqlens=cu_seqlens,
+        max_seqlen=int(seqlens.max()),
+        max_frames=grid.max_frames,
+        positions=empty.reshape(0, 2),
+        item_index=torch.repeat_interleave(torch.arange(items), seqlens),
+        rope_rotation=torch.empty(0, 0, 2),
+        pos_emb_index=empty.reshape(0, 0),
+        pos_emb_weight=torch.empty(0, 0, dtype=torch.float64),
+        pos_emb_row=None,
+        pos_emb_sizes=(),
+        time_index=None,
+        merge_index=None,
+        pool_index=None,
+        pool_weight=None,
+        num_slots=0,
+        attention_groups=groups,
+    )
+    device = grid.cu_seqlens.device
+    return PrefixedPack(tokens.to(device), order.to(device), patch_rows.to(device), prefix_rows.to(device))

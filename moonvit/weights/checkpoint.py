@@ -37,10 +37,18 @@ import torch.nn as nn
 
 from ..devices import check_device
 from ..files import folder_problem
-from ..model.config import DictConfig, MoonViTConfig
+from ..model.config import DictConfig
 from .config_keys import warn_unread_keys
-from .formats import TOWER_PREFIXES, TensorSource, TowerLayout, detect_tower_layout, encoder_config_from_json
-from .storage import CheckpointError, open_tensor_file, read_json, tensor_files, tensor_names, write_tensor_files
+from .formats import TOWER_PREFIXES, TensorSource, detect_tower_layout, encoder_config_from_json
+from .storage import (
+    CheckpointError,
+    open_tensor_file,
+    read_json,
+    tensor_files,
+    tensor_names,
+    weight_files,
+    write_tensor_files,
+)
 
 if TYPE_CHECKING:
     from ..model.encoder import MoonViT
@@ -60,13 +68,22 @@ def config_from_file(cls: type[C], values: dict[str, Any], path: Path, also_read
         raise CheckpointError(f"{path}: {err}") from err
 
 
-def read_config(folder: Path) -> tuple[MoonViTConfig, TowerLayout]:
-    """The encoder config of a checkpoint folder and the layout of its tower tensors
-    (see :mod:`moonvit.weights.formats` for the families read)."""
+def read_config(folder: Path) -> tuple[Any, Any]:
+    """The tower config of a checkpoint folder and the layout of its tensors: a registered family's
+    (:mod:`moonvit.families`: the classic ViT and DeiT) where one claims its ``config.json``, else a
+    MoonViT family's (:class:`MoonViTConfig` and a :class:`TowerLayout`; see :mod:`moonvit.weights.formats`)."""
+    from ..families import find_family  # the families build on this package
+
     path = folder / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{folder} has no config.json")
     values = read_json(path)
+    other = find_family(values)
+    if other is not None:
+        try:
+            return other.read(values, path, tensor_names(folder) if _has_tensors(folder) else ())
+        except (TypeError, ValueError) as error:
+            raise CheckpointError(f"{path}: {error}") from error
     try:
         config, family = encoder_config_from_json(values, path)
     except (TypeError, ValueError) as error:
@@ -76,6 +93,19 @@ def read_config(folder: Path) -> tuple[MoonViTConfig, TowerLayout]:
         return config, detect_tower_layout(names, family, config.num_attention_heads)
     except ValueError as error:
         raise CheckpointError(f"{folder}: {error}") from error
+
+
+def _has_tensors(folder: Path) -> bool:
+    """Whether the folder holds its tensor files yet (a hub snapshot reads config.json first)."""
+    index, single = weight_files(folder)
+    return index is not None or single is not None
+
+
+def tower_builder(config: Any) -> Callable[[Any], nn.Module] | None:
+    """The module that builds a registered family's tower from its config (None: a MoonViT's)."""
+    from ..families import families
+
+    return next((family.build for family in families() if isinstance(config, family.config_type)), None)
 
 
 def checkpoint_folder(source: str | os.PathLike, fetch: Callable[[HubSnapshot], None]) -> Path:
@@ -100,21 +130,23 @@ def fetch_encoder_files(snapshot: HubSnapshot) -> None:
 
 
 def load_pretrained(
-    cls: type[MoonViT],
+    cls: Callable[[Any], nn.Module],
     path: str | Path,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     attn_implementation: str = "auto",
-) -> MoonViT:
-    """Build ``cls`` from a checkpoint folder or hub id, reading only the vision tensors (see
-    :func:`assign_from_files`)."""
+) -> nn.Module:
+    """Build ``cls`` (or, for a registered family's folder, that family's tower) from a checkpoint folder
+    or hub id, reading only the vision tensors (see :func:`assign_from_files`)."""
     if device is not None:
         device = check_device(device)
     folder = checkpoint_folder(path, fetch_encoder_files)
     config, layout = read_config(folder)
     config.attn_implementation = attn_implementation
+    # A registered family's folder builds its own tower (a classic ViT read through MoonViT.from_pretrained).
+    build = tower_builder(config) or cls
     with torch.device("meta"):
-        model = cls(config)
+        model = build(config)
     return assign_from_files(model, tensor_files(folder, layout.prefix), layout.source, folder, dtype, device)
 
 

@@ -1,0 +1,28 @@
+"""The classic ViT and DeiT: one family of the packed engine.
+
+- :mod:`.config`: :class:`ClassicViTConfig` and its presets;
+- :mod:`.formats`: transformers', timm's and this package's folders (config keys, tensor names);
+- :mod:`.model`: :class:`ClassicViT`, the tower (prefix tokens, the 1D table resampled per grid
+  by the checkpoint's own rule, pre-LN blocks with exact GELU, heads);
+- :mod:`.processor`: the checkpoints' own processors and the native-resolution rule.
+"""
+
+from __future__ import annotations
+
+from .. import Family, register_family
+from . import formats
+from .config import PRESETS, ClassicViTConfig, classic_vit_config
+from .model import ClassicViT
+
+__all__ = ["PRESETS", "ClassicViT", "ClassicViTConfig", "classic_vit_config"]
+
+register_family(
+    Family(
+        name="classic-vit",
+        config_type=ClassicViTConfig,
+        claims=formats.claims,
+        read=formats.read,
+        build=ClassicViT,
+        processors=("vit", "deit", "native"),
+    )
+)

@@ -1,0 +1,198 @@
+"""Configuration of the classic ViT and DeiT towers (``ClassicViTConfig``) and its presets."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...files import write_text_atomic
+from ...model.attention import check_attn_name
+from ...model.config import DictConfig, matmul_flops
+
+POS_EMB_RULES = ("transformers", "timm", "jax")
+"""How a checkpoint's own code resamples its table's patch rows to another grid:
+
+- ``transformers``: ``interpolate_pos_encoding``: bicubic, ``align_corners=False``, no antialias,
+  in the table's dtype; the table unchanged at its native square grid.
+- ``timm``: ``resample_abs_pos_embed``: bicubic with ``antialias=True`` (PIL's cubic kernel,
+  a = -0.5, whether the grid grows or shrinks), computed in float32.
+- ``jax``: the original code's ``scipy.ndimage.zoom(order=1)``: a linear spline through the
+  corner rows (bilinear with ``align_corners=True``), in float32.
+"""
+POOLS = ("token", "avg")
+
+
+@dataclass
+class ClassicViTConfig(DictConfig):
+    """Hyper-parameters of a classic ViT (or DeiT) tower.
+
+    Field names follow transformers' ``ViTConfig`` where it has one. The defaults are ViT-B/16 at
+    224 px as transformers builds it (LayerNorm eps 1e-12; timm's folders read 1e-6).
+
+    - ``image_size`` / ``patch_size``: the table's native grid is ``image_size // patch_size`` per
+      side (14 x 14 at 224 px); any grid runs, the table resampled by ``pos_emb_rule``.
+    - ``class_token``, ``distillation_token``: the prefix tokens, in that order (DeiT: both).
+    - ``pool``: ``"token"``: ``pooled`` is the CLS row after the final norm (the seed's
+      ``pre_logits``); ``"avg"``: the mean of the item's patch rows after the final norm (GAP,
+      with no CLS token).
+    - ``num_classes``: the linear head's classes (0: no head); ``distilled_head``: a second head
+      on the distillation token, the logits the mean of the two (DeiT with teacher).
+    - ``pooler``: transformers' ``ViTModel`` pooler (dense + tanh on the CLS row), kept where a
+      folder has it and returned as ``pooler_output``.
+    """
+
+    patch_size: int = 16
+    image_size: int = 224
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-12
+    qkv_bias: bool = True
+    class_token: bool = True
+    distillation_token: bool = False
+    pool: str = "token"
+    num_classes: int = 0
+    distilled_head: bool = False
+    pooler: bool = False
+    pos_emb_rule: str = "transformers"
+    max_grid_side: int = 512
+    drop_path_rate: float = 0.0
+    attn_implementation: str = "auto"
+    model_type: str = field(default="classic_vit", init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("patch_size", "image_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
+            )
+        if self.pos_emb_rule not in POS_EMB_RULES:
+            raise ValueError(f"pos_emb_rule {self.pos_emb_rule!r} is not one of {', '.join(POS_EMB_RULES)}")
+        if self.pool not in POOLS:
+            raise ValueError(f"pool {self.pool!r} is not one of {', '.join(POOLS)}")
+        if self.pool == "token" and not self.class_token:
+            raise ValueError("pool 'token' needs the class token (class_token true), or use pool 'avg'")
+        if self.distillation_token and not self.class_token:
+            raise ValueError("a distillation token comes after the class token: class_token must be true")
+        if self.distilled_head and not (self.distillation_token and self.num_classes):
+            raise ValueError("distilled_head needs the distillation token and a head (num_classes > 0)")
+        if self.num_classes < 0:
+            raise ValueError(f"num_classes must be >= 0 (0: no head), got {self.num_classes}")
+        if self.pooler and not self.class_token:
+            raise ValueError("the pooler reads the class token: class_token must be true")
+        if not 0.0 <= self.drop_path_rate < 1.0:
+            raise ValueError(f"drop_path_rate must lie in [0, 1), got {self.drop_path_rate}")
+        check_attn_name(self.attn_implementation)
+
+    # ---- what the engine reads of every tower's config -------------------------------------
+    @property
+    def merge_kernel_size(self) -> tuple[int, int]:
+        """(1, 1): no merger; each patch row is one output token."""
+        return (1, 1)
+
+    @property
+    def tokens_per_merge(self) -> int:
+        return 1
+
+    @property
+    def init_pos_emb_time(self) -> int:
+        """0: an image-only tower."""
+        return 0
+
+    @property
+    def max_frames(self) -> int:
+        return 1
+
+    @property
+    def grid_side(self) -> int:
+        """The table's native patch grid per side (14 for 224 px at patch 16)."""
+        return self.image_size // self.patch_size
+
+    # The packed grid's geometry (its RoPE angles and 2D-table taps go unused by this tower).
+    @property
+    def init_pos_emb_height(self) -> int:
+        return self.grid_side
+
+    @property
+    def init_pos_emb_width(self) -> int:
+        return self.grid_side
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    rope_theta = 10000.0
+    pos_emb_interpolation_mode = "bicubic"
+    norm_type = "layernorm"
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        """The prefix tokens of each item: CLS, then DeiT's distillation token."""
+        return int(self.class_token) + int(self.distillation_token)
+
+    def describe(self) -> str:
+        """The tower's shape in one line."""
+        prefix = {0: "GAP", 1: "CLS", 2: "CLS + distillation"}[self.num_prefix_tokens]
+        head = f", head {self.num_classes}" + (" x 2" if self.distilled_head else "") if self.num_classes else ""
+        return (
+            f"classic ViT: {self.num_hidden_layers} blocks x {self.hidden_size} ({self.num_attention_heads} heads, "
+            f"MLP {self.intermediate_size}), patch {self.patch_size}, {prefix}, 1D table {self.grid_side}x"
+            f"{self.grid_side} + {self.num_prefix_tokens} ({self.pos_emb_rule}){head}"
+        )
+
+    def switches(self) -> dict[str, Any]:
+        return {}
+
+    def flops(self, seqlens: Sequence[int], depth: int | None = None) -> float:
+        """Matmul FLOPs of one forward over items of ``seqlens`` patches each (their prefix tokens added)."""
+        layers = self.num_hidden_layers if depth is None else depth
+        tokens = [n + self.num_prefix_tokens for n in seqlens]
+        embed = 2.0 * sum(seqlens) * self.num_channels * self.patch_size**2 * self.hidden_size
+        blocks = matmul_flops(tokens, self.hidden_size, self.intermediate_size, layers, 1, None, 0)
+        return embed + blocks
+
+    def save(self, folder: str | Path) -> None:
+        """Write ``config.json`` into ``folder`` (atomically)."""
+        write_text_atomic(Path(folder) / "config.json", json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+# Transformers' and timm's standard sizes: (width, depth, heads); the MLP is 4x the width.
+SIZES = {
+    "tiny": (192, 12, 3),
+    "small": (384, 12, 6),
+    "base": (768, 12, 12),
+    "large": (1024, 24, 16),
+    "huge": (1280, 32, 16),
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # google/vit-base-patch16-224 (as transformers builds it).
+    "vit-base-16": dict(num_classes=1000),
+    # facebook/deit-base-distilled-patch16-224 (transformers' DeiTForImageClassificationWithTeacher).
+    "deit-base-distilled-16": dict(distillation_token=True, num_classes=1000, distilled_head=True),
+    # CPU experiments (Fashion-MNIST at 28 px: patch 4).
+    "vit-small-exp": dict(
+        hidden_size=192, num_hidden_layers=6, num_attention_heads=3, intermediate_size=768, layer_norm_eps=1e-6
+    ),
+    # Tests.
+    "vit-tiny": dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, image_size=64, patch_size=16
+    ),
+}
+
+
+def classic_vit_config(name: str, **overrides: Any) -> ClassicViTConfig:
+    """A named preset (:data:`PRESETS`), with overrides."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown classic-ViT preset {name!r}; choose one of {sorted(PRESETS)}")
+    return ClassicViTConfig(**{**PRESETS[name], **overrides})
