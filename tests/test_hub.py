@@ -336,3 +336,22 @@ def test_the_command_lines_take_a_hub_id_with_hf_hub_offline(tmp_path, models):
     result = subprocess.run([*trainer, "--no-progress", "--peak-tflops", "1"], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads((out / "train" / "results.json").read_text())["args"]["checkpoint"] == REPO_ID
+
+
+def test_a_transformers_vit_repository_loads_its_family_s_tower(tmp_path, offline, requested):
+    """google/vit-base-patch16-224's layout (config.json model_type "vit", model.safetensors in the hub's
+    names, a classifier head beside the tower): the hub id gives the classic-ViT tower, head and all."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    from moonvit.families.vit import ClassicViT
+
+    torch.manual_seed(0)
+    config = ViTConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=32, num_labels=3
+    )
+    ViTForImageClassification(config).save_pretrained(tmp_path / "vit")
+    files = {p.name: p for p in (tmp_path / "vit").iterdir()}
+    write_hub_cache(offline, "google/vit-tiny-test", files, missing=("model.safetensors.index.json",))
+    loaded = MoonViT.from_pretrained("google/vit-tiny-test")
+    assert isinstance(loaded, ClassicViT) and loaded.head is not None and loaded.head.out_features == 3
+    assert "model.safetensors" in requested

@@ -39,7 +39,7 @@ from ..devices import check_device
 from ..files import folder_problem
 from ..model.config import DictConfig
 from .config_keys import warn_unread_keys
-from .formats import TOWER_PREFIXES, TensorSource, detect_tower_layout, encoder_config_from_json
+from .formats import TOWER_PREFIXES, TensorSource, TowerLayout, detect_tower_layout, encoder_config_from_json
 from .storage import (
     CheckpointError,
     open_tensor_file,
@@ -126,7 +126,11 @@ def fetch_encoder_files(snapshot: HubSnapshot) -> None:
     """From a hub repository: config.json, then the tensor files holding the encoder's tensors."""
     _, layout = read_config(snapshot.file("config.json").parent)
     # Before the index is here, the layout of a Kimi family is not known: fetch any tower tensor.
-    snapshot.tensors(*(("",) if layout.name == "own" else TOWER_PREFIXES))
+    # A registered family's layout names its own prefix ("" for all: a ViT's head sits outside its tower).
+    if not isinstance(layout, TowerLayout):
+        snapshot.tensors(layout.prefix)
+    else:
+        snapshot.tensors(*(("",) if layout.name == "own" else TOWER_PREFIXES))
 
 
 def load_pretrained(
