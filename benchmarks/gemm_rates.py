@@ -51,7 +51,7 @@ WARMUP = 3
 EPILOGUES: dict[str, dict[str, bool]] = {
     "wqkv": {},
     "wo": {"residual": True},
-    "fc0": {"gelu_tanh": True},
+    "fc0": {"gelu": "tanh"},
     "fc1": {"residual": True},
 }
 """The block's linears, in its order, each with the epilogue the block fuses into it."""
@@ -78,10 +78,10 @@ def alone(layer: nn.Linear, epilogue: dict[str, bool], rows: int, reps: int) -> 
     mode as the forward runs."""
     x = torch.randn(rows, layer.in_features).to(layer.weight.dtype)
     residual = torch.randn(rows, layer.out_features).to(layer.weight.dtype) if epilogue.get("residual") else None
-    gelu = epilogue.get("gelu_tanh", False)
+    gelu = epilogue.get("gelu")
     with torch.inference_mode():
         plain = median_seconds(lambda: F.linear(x, layer.weight, layer.bias), reps)
-        fused = median_seconds(lambda: blocks_module.linear(layer, x, gelu_tanh=gelu, residual=residual), reps)
+        fused = median_seconds(lambda: blocks_module.linear(layer, x, gelu=gelu, residual=residual), reps)
     return plain, fused
 
 

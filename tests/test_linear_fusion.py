@@ -36,16 +36,17 @@ def layer(n_in=48, n_out=40, seed=0, bias=True):
 
 @pytest.mark.parametrize("mode", MODES, indirect=True)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no bias (K3)"])
-@pytest.mark.parametrize("epilogue", ["none", "gelu", "residual"])
+@pytest.mark.parametrize("epilogue", ["none", "gelu", "exact gelu", "residual"])
 def test_epilogues_match_float32_math_to_one_bf16_rounding(mode, epilogue, bias):
     fc = layer(bias=bias)
     x = torch.randn(37, 48).bfloat16()
     residual = torch.randn(37, 40).bfloat16() if epilogue == "residual" else None
+    gelu = {"gelu": "tanh", "exact gelu": "none"}.get(epilogue)
     with torch.no_grad():
-        out = linear(fc, x, gelu_tanh=epilogue == "gelu", residual=residual)
+        out = linear(fc, x, gelu=gelu, residual=residual)
         exact = F.linear(x.float(), fc.weight.float(), None if fc.bias is None else fc.bias.float())
-        if epilogue == "gelu":
-            exact = F.gelu(exact, approximate="tanh")
+        if gelu is not None:
+            exact = F.gelu(exact, approximate=gelu)
         if residual is not None:
             exact = exact + residual.float()
     assert out.dtype == torch.bfloat16
@@ -71,7 +72,7 @@ def test_hooks_replacements_autograd_and_float32_take_the_module_call(mode, monk
 
     lora = LoRALinear(48, 40).bfloat16()
     with torch.no_grad():
-        linear(lora, x, gelu_tanh=True)
+        linear(lora, x, gelu="tanh")
     out = linear(layer(), x.clone().requires_grad_(True))  # autograd on and needed
     out.sum().backward()
     with torch.no_grad():
@@ -99,7 +100,8 @@ def test_float32_path_without_onednn_is_the_same_arithmetic(mode, monkeypatch):
     with torch.no_grad():
         wide = F.linear(x.float(), fc.weight.float(), fc.bias.float())
         assert torch.equal(linear(fc, x), wide.bfloat16())
-        assert torch.equal(linear(fc, x, gelu_tanh=True), F.gelu(wide, approximate="tanh").bfloat16())
+        assert torch.equal(linear(fc, x, gelu="tanh"), F.gelu(wide, approximate="tanh").bfloat16())
+        assert torch.equal(linear(fc, x, gelu="none"), F.gelu(wide).bfloat16())
         assert torch.equal(linear(fc, x, residual=residual), (wide + residual.float()).bfloat16())
 
 
@@ -169,4 +171,4 @@ def test_hosts_where_onednn_cannot_build_the_bf16_primitive_take_the_module_call
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", None)  # any use of it would fail
     fc, x = layer(), torch.randn(5, 48).bfloat16()
     with torch.no_grad():
-        torch.testing.assert_close(linear(fc, x, gelu_tanh=True), F.gelu(fc(x), approximate="tanh"), rtol=0, atol=0)
+        torch.testing.assert_close(linear(fc, x, gelu="tanh"), F.gelu(fc(x), approximate="tanh"), rtol=0, atol=0)

@@ -59,7 +59,7 @@ class MLP(nn.Module):
         return map_row_chunks(self._mlp, x, residual, row_bytes=row_bytes, budget=MLP_CHUNK_BYTES)
 
     def _mlp(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(self.fc1, linear(self.fc0, x, gelu_tanh=True), residual=residual)
+        return linear(self.fc1, linear(self.fc0, x, gelu="tanh"), residual=residual)
 
 
 def drop_path_per_item(branch: torch.Tensor, grid: PackedGrid, rate: float) -> torch.Tensor:

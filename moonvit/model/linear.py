@@ -162,46 +162,51 @@ def has_forward_hooks(layer: nn.Module) -> bool:
 
 
 def _linear_epilogue(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu_tanh: bool, residual: torch.Tensor | None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: str | None, residual: torch.Tensor | None
 ) -> torch.Tensor:
-    """``x @ weight.T + bias``, then tanh GELU or ``+ residual``: oneDNN's fused call where it exists."""
+    """``x @ weight.T + bias``, then GELU (``gelu``: ``"tanh"`` or ``"none"``, exact) or ``+ residual``:
+    oneDNN's fused call where it exists."""
     if _ONEDNN:
         pointwise = torch.ops.mkldnn._linear_pointwise
         if residual is not None:
             return pointwise.binary(x, residual, weight, bias, "add")
-        if gelu_tanh:
-            return pointwise(x, weight, bias, "gelu", [], "tanh")
+        if gelu is not None:
+            return pointwise(x, weight, bias, "gelu", [], gelu)
         return pointwise(x, weight, bias, "none", [], "")
     out = F.linear(x, weight, bias)
-    if gelu_tanh:
-        return F.gelu(out, approximate="tanh")
+    if gelu is not None:
+        return F.gelu(out, approximate=gelu)
     return out if residual is None else out.add_(residual)
 
 
 def linear(
-    layer: nn.Module, x: torch.Tensor, *, gelu_tanh: bool = False, residual: torch.Tensor | None = None
+    layer: nn.Module, x: torch.Tensor, *, gelu: str | None = None, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``layer(x)``, then tanh GELU (``gelu_tanh``) or ``residual + ...`` (not both).
+    """``layer(x)``, then GELU or ``residual + ...`` (not both).
 
     Args:
         layer: an ``nn.Linear`` (or a replacement of one: then its own forward runs).
         x: (rows, in_features).
+        gelu: ``"tanh"`` (MoonViT's) or ``"none"`` (the exact erf GELU, the classic ViT's), as
+            ``F.gelu``'s ``approximate``; None: no activation.
         residual: (rows, out_features), added to the output.
 
     Returns:
         (rows, out_features) in ``x``'s dtype.
     """
-    if gelu_tanh and residual is not None:
+    if gelu is not None and residual is not None:
         raise ValueError("linear fuses a GELU or a residual add, not both")
+    if gelu not in (None, "tanh", "none"):
+        raise ValueError(f"gelu must be 'tanh', 'none' (exact) or None, got {gelu!r}")
     if x.device.type == "cpu" and x.dtype in _FUSED_DTYPES and _plain_inference_call(layer, x):
         assert isinstance(layer, nn.Linear)
         if computes_in_float32(x):
             bias = None if layer.bias is None else layer.bias.float()
             wide = None if residual is None else residual.float()
-            return _linear_epilogue(x.float(), layer.weight.float(), bias, gelu_tanh, wide).to(x.dtype)
+            return _linear_epilogue(x.float(), layer.weight.float(), bias, gelu, wide).to(x.dtype)
         if onednn_bf16_linear():
-            return _linear_epilogue(x, layer.weight, layer.bias, gelu_tanh, residual)
+            return _linear_epilogue(x, layer.weight, layer.bias, gelu, residual)
     out = layer(x)
-    if gelu_tanh:
-        return F.gelu(out, approximate="tanh")
+    if gelu is not None:
+        return F.gelu(out, approximate=gelu)
     return out if residual is None else residual + out

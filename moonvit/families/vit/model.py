@@ -114,7 +114,7 @@ class Mlp(nn.Module):
         return map_row_chunks(self._mlp, x, residual, row_bytes=row_bytes, budget=MLP_CHUNK_BYTES)
 
     def _mlp(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(self.fc2, F.gelu(linear(self.fc1, x)), residual=residual)
+        return linear(self.fc2, linear(self.fc1, x, gelu="none"), residual=residual)
 
 
 class ViTBlock(nn.Module):
