@@ -22,12 +22,41 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from .config import MoonViTConfig
 from .position import resample_taps
 from .rope import rope_rotation
+
+
+class GridGeometry(Protocol):
+    """What the grid reads of a tower's config (:class:`~moonvit.model.config.MoonViTConfig`, or another
+    family's, such as the classic ViT's): patch and merge sizes, limits, and the RoPE / table geometry."""
+
+    @property
+    def patch_size(self) -> int: ...
+    @property
+    def num_channels(self) -> int: ...
+    @property
+    def max_grid_side(self) -> int: ...
+    @property
+    def merge_kernel_size(self) -> tuple[int, int]: ...
+    @property
+    def max_frames(self) -> int: ...
+    @property
+    def init_pos_emb_time(self) -> int: ...
+    @property
+    def init_pos_emb_height(self) -> int: ...
+    @property
+    def init_pos_emb_width(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @property
+    def pos_emb_interpolation_mode(self) -> str: ...
+
 
 GridInput = torch.Tensor | Sequence[Sequence[int]]
 """(N, 2) rows (h, w) of images, or (N, 3) rows (t, h, w) of clips and images (t = 1)."""
@@ -150,7 +179,7 @@ def _item_name(index: int, t: int, h: int, w: int) -> str:
     return f"image {index}: grid {h}x{w}" if t == 1 else f"clip {index}: grid {t}x{h}x{w}"
 
 
-def validate_grid_thws(grid: GridInput, config: MoonViTConfig) -> list[tuple[int, int, int]]:
+def validate_grid_thws(grid: GridInput, config: GridGeometry) -> list[tuple[int, int, int]]:
     """Check a pack's grids and return them as Python (t, h, w) triples.
 
     Args:
@@ -171,7 +200,7 @@ def validate_grid_thws(grid: GridInput, config: MoonViTConfig) -> list[tuple[int
     return check_grid_rows(tuple(grid.shape), grid.tolist(), config)
 
 
-def check_grid_rows(shape: tuple[int, ...], rows: list, config: MoonViTConfig) -> list[tuple[int, int, int]]:
+def check_grid_rows(shape: tuple[int, ...], rows: list, config: GridGeometry) -> list[tuple[int, int, int]]:
     """The checks of :func:`validate_grid_thws` on plain Python values, without torch.
 
     Args:
@@ -225,7 +254,7 @@ def check_pixel_shape(
     shape: tuple[int, ...],
     floating: bool,
     dtype: object,
-    config: MoonViTConfig,
+    config: GridGeometry,
     num_patches: int,
     max_frames: int,
     dropped: bool = False,
@@ -305,7 +334,7 @@ def tokens_per_image(grid: GridInput, merge_kernel_size: Sequence[int] = (2, 2))
 
 def build_packed_grid(
     grid: GridInput,
-    config: MoonViTConfig,
+    config: GridGeometry,
     device: torch.device | str | None = None,
     keep: Sequence[torch.Tensor] | None = None,
 ) -> PackedGrid:
@@ -324,7 +353,7 @@ def build_packed_grid(
     return _build(tuple(thws), _geometry(config), kept, None if device is None else torch.device(device))
 
 
-def _geometry(config: MoonViTConfig) -> tuple:
+def _geometry(config: GridGeometry) -> tuple:
     return (
         config.head_dim,
         config.rope_theta,
@@ -349,7 +378,7 @@ class GridCache:
         self._entries: OrderedDict[tuple, PackedGrid] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, grid: GridInput, config: MoonViTConfig, device: torch.device | None) -> PackedGrid:
+    def get(self, grid: GridInput, config: GridGeometry, device: torch.device | None) -> PackedGrid:
         thws = tuple(validate_grid_thws(grid, config))
         key = (thws, _geometry(config), device)
         with self._lock:

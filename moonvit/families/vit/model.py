@@ -258,7 +258,7 @@ class ClassicViT(nn.Module):
             self._tables_key = None
 
     def flops(self, grid_thws: GridInput) -> float:
-        return self.config.flops([t * h * w for t, h, w in validate_grid_thws(grid_thws, self.config)])  # type: ignore[arg-type]
+        return self.config.flops([t * h * w for t, h, w in validate_grid_thws(grid_thws, self.config)])
 
     # ---- the table ----------------------------------------------------------------------
     def position_table(self, rows: int, cols: int) -> torch.Tensor:
@@ -317,8 +317,8 @@ class ClassicViT(nn.Module):
         """Validate the pack's grids and compute its metadata (see :class:`PackedGrid`); ``keep``: training's
         dropped patches (each kept patch keeps its table row)."""
         if keep is not None:
-            return build_packed_grid(grid_thws, self.config, self.device, keep=keep)  # type: ignore[arg-type]
-        return self.grid_cache.get(grid_thws, self.config, self.device)  # type: ignore[arg-type]
+            return build_packed_grid(grid_thws, self.config, self.device, keep=keep)
+        return self.grid_cache.get(grid_thws, self.config, self.device)
 
     def forward(
         self,
@@ -348,7 +348,7 @@ class ClassicViT(nn.Module):
             tuple(pixel_values.shape),
             pixel_values.dtype.is_floating_point,
             pixel_values.dtype,
-            self.config,  # type: ignore[arg-type]
+            self.config,
             grid.num_patches,
             grid.max_frames,
             grid.dropped,
