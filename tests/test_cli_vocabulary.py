@@ -89,6 +89,7 @@ BENCHMARK_SCRIPTS = (
     "bench_export",
     "bench_probe",
     "bench_processor",
+    "bench_vit",
     "cuda_check",
     "gemm_rates",
 )
