@@ -57,7 +57,10 @@ def resample_table(table: torch.Tensor, rows: int, cols: int, rule: str) -> torc
     side, dim = table.shape[0], table.shape[-1]
     if (rows, cols) == (table.shape[0], table.shape[1]) and side == table.shape[1]:
         return table.reshape(rows * cols, dim)
-    grid = table.permute(2, 0, 1).unsqueeze(0)
+    # (1, D, G, G) in channels-last memory, as timm's and transformers' reshape + permute hand it over:
+    # torch's antialiased CPU kernel (2.13) gives other, wrong, values for a one-column grid (3x1, 6x1)
+    # from an NCHW-contiguous input; the channels-last path gives PIL's (and timm's) values.
+    grid = table.unsqueeze(0).permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
     if rule == "transformers":
         out = F.interpolate(grid, size=(rows, cols), mode="bicubic", align_corners=False)
     elif rule == "timm":
