@@ -4,7 +4,8 @@ python -m moonvit.onnx --checkpoint DIR --out encoder.onnx [--projector] [--dtyp
 
 After writing the graph (checked with onnx.checker), it runs a small pack the export
 never saw through ONNX Runtime's CPU provider and through PyTorch, and fails if they
-differ by more than the dtype allows.
+differ by more than the dtype allows. A classic ViT / DeiT folder (transformers', timm's or
+this package's) exports its tower the same way (it has no projector).
 """
 
 from __future__ import annotations
@@ -28,14 +29,18 @@ from ..cli import (
     output_file,
     torch_dtype,
 )
+from ..families.vit.model import ClassicViT
 from ..files import disk_full_error
 from ..model.encoder import MoonViT
-from .export import OnnxUnavailableError, compare_with_model, export_onnx, output_names
+from ..weights.storage import CheckpointError
+from .export import OnnxUnavailableError, compare_with_model, export_onnx, exported_outputs
 from .inputs import input_names
 
 # The check's pack: odd aspect ratios, unlike the exporter's example, and a clip where the tower takes them.
 CHECK_IMAGES = [(2, 10), (6, 4), (4, 4)]
 CHECK_CLIP = (2, 4, 6)
+# A classic ViT's: odd sides, one grid wider and one taller than most tables, and the table's own grid.
+CHECK_VIT_IMAGES = [(3, 10), (17, 5)]
 # Largest relative error the check accepts per dtype (float16 rounds every activation to 11 bits).
 TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2}
 
@@ -73,8 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
 def export(args: argparse.Namespace) -> dict[str, Any]:
     """Load, export, check; returns the summary it prints."""
     dtype = torch_dtype(args.dtype)
-    encoder = MoonViT.from_pretrained(args.checkpoint, dtype=dtype, device="cpu")
+    encoder: MoonViT | ClassicViT = MoonViT.from_pretrained(args.checkpoint, dtype=dtype, device="cpu")
     projector = None
+    if args.projector and isinstance(encoder, ClassicViT):
+        raise CheckpointError(
+            f"{args.checkpoint} holds a classic ViT / DeiT tower, which has no projector: drop --projector"
+        )
     if args.projector:
         from ..model.projector import MoonViTProjector
 
@@ -91,7 +100,7 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "opset": args.opset,
         "inputs": list(input_names(encoder.config)),
-        "outputs": list(output_names(projector is not None)),
+        "outputs": list(exported_outputs(encoder.config, projector is not None)),
     }
     print(
         f"wrote {path} ({summary['megabytes']} MB, {args.dtype}, opset {args.opset}) in {summary['seconds']} s\n"
@@ -143,7 +152,7 @@ def kept_graph(path: Path, before: dict[Path, tuple[int, int, int] | None]) -> s
     return f"nothing was written to {path}"
 
 
-def check(path: Any, encoder: MoonViT, projector: Any, dtype: str) -> dict[str, float] | None:
+def check(path: Any, encoder: MoonViT | ClassicViT, projector: Any, dtype: str) -> dict[str, float] | None:
     """Run the check's pack through ONNX Runtime and PyTorch; None where onnxruntime is missing."""
     try:
         import onnxruntime
@@ -151,7 +160,10 @@ def check(path: Any, encoder: MoonViT, projector: Any, dtype: str) -> dict[str, 
         print("  check skipped: onnxruntime is not installed (pip install 'moonvit[onnx]')")
         return None
     grids = [(1, h, w) for h, w in CHECK_IMAGES]
-    if encoder.config.max_frames >= CHECK_CLIP[0]:
+    if isinstance(encoder, ClassicViT):
+        side = encoder.config.grid_side
+        grids = [(1, h, w) for h, w in CHECK_VIT_IMAGES] + [(1, side, side)]
+    elif encoder.config.max_frames >= CHECK_CLIP[0]:
         grids.append(CHECK_CLIP)
     patches = sum(t * h * w for t, h, w in grids)
     config = encoder.config

@@ -30,6 +30,9 @@ name                      shape, dtype           meaning
 
 Bad input raises the model's own errors (the checks are shared with
 :mod:`moonvit.model.grid`).
+
+A classic ViT / DeiT tower's graph takes other inputs (:mod:`moonvit.onnx.vit_inputs`);
+:func:`onnx_inputs` and :func:`input_names` answer for either tower by its config.
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ from typing import Any
 
 import numpy as np
 
+from ..families.vit.config import ClassicViTConfig
 from ..model.config import MoonViTConfig
-from ..model.grid import check_grid_rows, check_pixel_shape
+from ..model.grid import GridGeometry, check_grid_rows, check_pixel_shape
 
 INPUT_NAMES = (
     "pixel_values",
@@ -58,17 +62,22 @@ INPUT_NAMES = (
 temporal table (:func:`input_names`)."""
 
 
-def input_names(config: MoonViTConfig) -> tuple[str, ...]:
+def input_names(config: MoonViTConfig | ClassicViTConfig) -> tuple[str, ...]:
     """The inputs of the graph exported from an encoder of ``config``."""
+    if isinstance(config, ClassicViTConfig):
+        from .vit_inputs import VIT_INPUT_NAMES
+
+        return VIT_INPUT_NAMES
     return INPUT_NAMES if config.init_pos_emb_time else INPUT_NAMES[:-1]
 
 
-def onnx_inputs(config: MoonViTConfig, pixel_values: Any, grid_hws: Any) -> dict[str, np.ndarray]:
+def onnx_inputs(config: MoonViTConfig | ClassicViTConfig, pixel_values: Any, grid_hws: Any) -> dict[str, np.ndarray]:
     """The feeds of an exported graph for one pack.
 
     Args:
         config: the exported encoder's config (``encoder.config``, or
-            :func:`~moonvit.onnx.onnx_config` of an ONNX Runtime session).
+            :func:`~moonvit.onnx.onnx_config` of an ONNX Runtime session); a classic ViT's
+            takes :func:`~moonvit.onnx.vit_inputs.vit_onnx_inputs`.
         pixel_values: (L, 3, p, p) floating array (NumPy, or anything ``np.asarray``
             takes), as the encoder takes it.
         grid_hws: (N, 2) integer rows (h, w), or (N, 3) rows (t, h, w).
@@ -82,6 +91,10 @@ def onnx_inputs(config: MoonViTConfig, pixel_values: Any, grid_hws: Any) -> dict
             over ``max_grid_side``, more frames than the temporal table has, pixel values
             that are not floating, of another patch shape, or another count than the grids'.
     """
+    if isinstance(config, ClassicViTConfig):
+        from .vit_inputs import vit_onnx_inputs
+
+        return vit_onnx_inputs(config, pixel_values, grid_hws)
     thws = _check_grid(grid_hws, config)
     pixels = np.asarray(pixel_values)
     num_patches = sum(t * h * w for t, h, w in thws)
@@ -93,7 +106,7 @@ def onnx_inputs(config: MoonViTConfig, pixel_values: Any, grid_hws: Any) -> dict
     return feeds
 
 
-def _check_grid(grid_hws: Any, config: MoonViTConfig) -> list[tuple[int, int, int]]:
+def _check_grid(grid_hws: Any, config: GridGeometry) -> list[tuple[int, int, int]]:
     """The model's grid checks (:func:`~moonvit.model.grid.validate_grid_thws`) on a NumPy array."""
     try:
         grid = np.asarray(grid_hws)
