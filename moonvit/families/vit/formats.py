@@ -126,6 +126,16 @@ def _single(value: Any, key: str) -> int:
     return value
 
 
+def _input_size(value: Any) -> tuple[int, int]:
+    """timm's ``pretrained_cfg`` ``input_size`` (C, H, W): the channels and the (square) side."""
+    if not isinstance(value, (list, tuple)) or len(value) != 3:
+        raise ValueError(f"pretrained_cfg input_size {value!r} is not [channels, height, width]")
+    channels, height, width = value
+    if height != width:
+        raise ValueError(f"pretrained_cfg input_size {value!r}: only square sizes are supported")
+    return _single(channels, "pretrained_cfg input_size channels"), _single(height, "pretrained_cfg input_size")
+
+
 def _read_timm(values: dict[str, Any], where: Path, names: set[str]) -> tuple[ClassicViTConfig, ViTLayout]:
     architecture = values["architecture"]
     match = _TIMM_ARCH.match(architecture)
@@ -157,9 +167,12 @@ def _read_timm(values: dict[str, Any], where: Path, names: set[str]) -> tuple[Cl
         "num_hidden_layers": depth,
         "num_attention_heads": heads,
         "patch_size": int(match["patch"]),
-        "image_size": int(input_size[-1]) if input_size else int(match["img"]),
+        "image_size": int(match["img"]),
         "num_classes": int(values.get("num_classes", 1000)),
     }
+    if input_size is not None:
+        # timm builds img_size and in_chans from it where model_args do not give them
+        fields["num_channels"], fields["image_size"] = _input_size(input_size)
     fields.update({ours: args[theirs] for theirs, ours in _TIMM_ARGS.items() if theirs in args})
     fields["image_size"] = _single(fields["image_size"], "img_size")
     fields["patch_size"] = _single(fields["patch_size"], "patch_size")
