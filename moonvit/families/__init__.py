@@ -1,16 +1,22 @@
 """Every checkpoint family the one loader reads, each described in one place.
 
 A family is a small :class:`Family` spec: how to recognise its ``config.json``, how to read it
-into the tower's config and its tensors' layout (given the folder's tensor names), and which
-module builds the tower. :func:`moonvit.weights.checkpoint.read_config` asks :func:`find_family`
-first, so ``MoonViT.from_pretrained`` (which every command uses) loads any registered family;
-a folder no spec claims is read as one of the MoonViT families (Kimi-VL, Kimi-K2.5 / K2.6,
-Kimi K3, LocateAnything-3B and this package's own), whose config keys and key maps live in
-:mod:`moonvit.weights.formats`.
+into the tower's config and its tensors' layout (given the folder's tensor names), which module
+builds the tower, which processor rules its checkpoints take and which release, if any, this
+package writes it as. :func:`moonvit.weights.checkpoint.read_config` asks :func:`find_family` for
+every folder, so ``MoonViT.from_pretrained`` (which every command uses) loads any registered family.
 
-The families of other towers live in their own packages (``moonvit/families/vit/``: the classic
-ViT and DeiT): config, key maps, the tower module, its processor rules. They share the packed
-grid, the attention backends, packing, export and the probes through the encoder interface
+The built-in families, each in its own module or package:
+
+- :mod:`.moonvit`: the MoonViT families (Kimi-VL, Kimi-K2.5 / K2.6 in its release's keys and in
+  transformers' ``kimi_k25``, Kimi K3, NVIDIA LocateAnything-3B, and this package's own folders);
+- :mod:`.vit`: the classic ViT and DeiT (config, key maps, the tower module, its processor rules).
+
+A family that recognises a ``config.json`` by a mark of its own (a ``model_type``, a key only it
+has) is *specific*; a family that takes whatever has a shape (any ``vision_config``: Kimi-VL's; no
+``vision_config``: this package's own) is a *catch-all*, asked only after every specific family,
+whenever it was registered. The towers share the packed grid, the attention backends, packing,
+export and the probes through the encoder interface
 (:class:`~moonvit.model.interface.VisionEncoder`) and its one output contract
 (:class:`~moonvit.model.encoder.MoonViTOutput`: ``last_hidden_state`` (L, D) patch rows aligned
 with ``pixel_values``, ``merged``, and, for towers with prefix tokens, ``prefix_tokens``,
@@ -19,6 +25,7 @@ with ``pixel_values``, ``merged``, and, for towers with prefix tokens, ``prefix_
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +33,7 @@ from typing import Any
 
 import torch.nn as nn
 
-__all__ = ["Family", "find_family", "families", "register_family"]
+__all__ = ["Family", "families", "family_named", "find_family", "register_family"]
 
 
 @dataclass(frozen=True)
@@ -40,11 +47,20 @@ class Family:
         read: ``read(values, where, names)``: the tower's config and the layout of its tensors
             (an object with ``name``, ``prefix`` and ``source(model_name)``, as
             :class:`~moonvit.weights.formats.TowerLayout`), from the ``config.json`` dict read from
-            ``where`` and the folder's tensor names (empty before a hub snapshot has them).
-            Raises ValueError naming what it cannot read.
+            ``where`` and the folder's tensor names (read from the folder on first use; empty
+            before a hub snapshot has them). Raises ValueError naming what it cannot read (a
+            :class:`~moonvit.weights.formats.TensorLayoutError` where the tensors, not the
+            ``config.json``, are at fault).
         build: ``build(config)``: the tower module (built on the meta device by the loader).
         processors: the names of the processor rules the family's checkpoints take
-            (:func:`moonvit.media.processor_for` reads them).
+            (:func:`moonvit.media.processor_for` reads them; a MoonViT family's are the keys of
+            :data:`moonvit.media.presets.FAMILY_RULES`).
+        description: one line on what the family is (its releases, its ``config.json``'s mark).
+        release: the ``(model_type, architecture)`` of the ``config.json`` its release layout is
+            written with (``save_pretrained(..., layout="release")``); None where this package
+            writes no release of the family (it reads them only, or writes its own layout).
+        catch_all: whether :attr:`claims` takes configs by their shape alone (any ``vision_config``,
+            none); a catch-all is asked only after every specific family (see :func:`find_family`).
     """
 
     name: str
@@ -53,32 +69,56 @@ class Family:
     read: Callable[[dict[str, Any], Path, Collection[str]], tuple[Any, Any]]
     build: Callable[[Any], nn.Module]
     processors: tuple[str, ...] = ()
+    description: str = ""
+    release: tuple[str, str] | None = None
+    catch_all: bool = False
 
 
 _FAMILIES: dict[str, Family] = {}
+_BUILTIN_STARTED = False
 
 
 def register_family(family: Family) -> None:
-    """Add (or replace) a family; the loader asks every registered one before the MoonViT families."""
+    """Add (or replace, by name) a family; a specific one is asked before every catch-all."""
+    _load_builtin()  # the built-in families first, so that a later one replaces them, not the reverse
     _FAMILIES[family.name] = family
 
 
 def families() -> tuple[Family, ...]:
-    """The registered families, in registration order."""
+    """The registered families in the order the loader asks them: the specific ones, then the
+    catch-alls, each in registration order."""
     _load_builtin()
-    return tuple(_FAMILIES.values())
+    ordered = list(_FAMILIES.values())
+    return tuple(sorted(ordered, key=lambda family: family.catch_all))  # stable: registration order kept
 
 
 def find_family(values: dict[str, Any]) -> Family | None:
-    """The registered family whose ``config.json`` this is, or None (a MoonViT family's)."""
+    """The family whose ``config.json`` this is: the first of :func:`families` that claims it (None
+    only if no catch-all is registered)."""
+    return next((family for family in families() if family.claims(values)), None)
+
+
+def family_named(name: str) -> Family:
+    """The registered family called ``name``.
+
+    Raises:
+        ValueError: no such family (the registered ones named).
+    """
     for family in families():
-        if family.claims(values):
+        if family.name == name:
             return family
-    return None
+    raise ValueError(f"no checkpoint family {name!r} (registered: {', '.join(f.name for f in families())})")
 
 
 def _load_builtin() -> None:
     # Each built-in family registers itself on import; imported here, lazily, so that the
     # weights package (which asks the registry) and the families (which use its layouts) do
-    # not import each other at module level.
-    from . import vit  # noqa: F401
+    # not import each other at module level. The guard keeps a re-entrant call (a family module
+    # registering itself while this import runs) from importing again.
+    global _BUILTIN_STARTED
+    if _BUILTIN_STARTED:
+        return
+    _BUILTIN_STARTED = True
+    # The classic ViT first: it was asked before the MoonViT families had specs.
+    for module in ("vit", "moonvit"):
+        importlib.import_module(f"{__name__}.{module}")

@@ -27,7 +27,7 @@ import dataclasses
 import os
 import re
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -39,14 +39,13 @@ from ..devices import check_device
 from ..files import folder_problem
 from ..model.config import DictConfig
 from .config_keys import warn_unread_keys
-from .formats import TOWER_PREFIXES, TensorSource, TowerLayout, detect_tower_layout, encoder_config_from_json
+from .formats import TOWER_PREFIXES, TensorLayoutError, TensorSource, TowerLayout
 from .storage import (
     CheckpointError,
     open_tensor_file,
     read_json,
     tensor_files,
     tensor_names,
-    weight_files,
     write_tensor_files,
 )
 
@@ -69,43 +68,69 @@ def config_from_file(cls: type[C], values: dict[str, Any], path: Path, also_read
 
 
 def read_config(folder: Path) -> tuple[Any, Any]:
-    """The tower config of a checkpoint folder and the layout of its tensors: a registered family's
-    (:mod:`moonvit.families`: the classic ViT and DeiT) where one claims its ``config.json``, else a
-    MoonViT family's (:class:`MoonViTConfig` and a :class:`TowerLayout`; see :mod:`moonvit.weights.formats`)."""
+    """The tower config of a checkpoint folder and the layout of its tensors, read by the registered
+    family that claims its ``config.json`` (:func:`moonvit.families.find_family`: the MoonViT families,
+    :mod:`moonvit.families.moonvit`, and the classic ViT and DeiT).
+
+    Raises:
+        CheckpointError: no config.json, or one no family reads (naming the file), or tensors that do
+            not fit it (naming the folder).
+    """
     from ..families import find_family  # the families build on this package
 
     path = folder / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{folder} has no config.json")
     values = read_json(path)
-    other = find_family(values)
-    if other is not None:
-        try:
-            return other.read(values, path, tensor_names(folder) if _has_tensors(folder) else ())
-        except (TypeError, ValueError) as error:
-            raise CheckpointError(f"{path}: {error}") from error
+    family = find_family(values)
+    if family is None:
+        raise CheckpointError(f"{path}: no registered checkpoint family reads this config.json")
     try:
-        config, family = encoder_config_from_json(values, path)
+        return family.read(values, path, _FolderTensorNames(folder))
+    except CheckpointError:
+        raise  # the tensor files themselves (an index naming a missing shard, ...), already named
+    except TensorLayoutError as error:
+        raise CheckpointError(f"{folder}: {error}") from error
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"{path}: {error}") from error
-    names = () if family == "own" else tensor_names(folder)
-    try:
-        return config, detect_tower_layout(names, family, config.num_attention_heads)
-    except ValueError as error:
-        raise CheckpointError(f"{folder}: {error}") from error
 
 
-def _has_tensors(folder: Path) -> bool:
-    """Whether the folder holds its tensor files yet (a hub snapshot reads config.json first)."""
-    index, single = weight_files(folder)
-    return index is not None or single is not None
+class _FolderTensorNames(Collection[str]):
+    """A folder's tensor names, read on first use: a family whose layout needs none (this package's
+    own) never opens its tensor files; none before a hub snapshot has them."""
+
+    def __init__(self, folder: Path) -> None:
+        self._folder = folder
+        self._names: list[str] | None = None
+        self._set: frozenset[str] = frozenset()
+
+    def _read(self) -> list[str]:
+        if self._names is None:
+            self._names = tensor_names(self._folder)
+            self._set = frozenset(self._names)
+        return self._names
+
+    def __contains__(self, name: object) -> bool:
+        self._read()
+        return name in self._set
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
 
 
-def tower_builder(config: Any) -> Callable[[Any], nn.Module] | None:
-    """The module that builds a registered family's tower from its config (None: a MoonViT's)."""
+def tower_builder(config: Any, cls: Callable[[Any], nn.Module]) -> Callable[[Any], nn.Module]:
+    """What builds the tower of ``config`` when a loader of ``cls`` reads it: ``cls`` itself where it
+    builds that family's towers (the family's class, or a subclass of it), else the family's own
+    (a classic ViT's folder read through ``MoonViT.from_pretrained``)."""
     from ..families import families
 
-    return next((family.build for family in families() if isinstance(config, family.config_type)), None)
+    build = next((family.build for family in families() if isinstance(config, family.config_type)), None)
+    if build is None or (isinstance(cls, type) and isinstance(build, type) and issubclass(cls, build)):
+        return cls
+    return build
 
 
 def checkpoint_folder(source: str | os.PathLike, fetch: Callable[[HubSnapshot], None]) -> Path:
@@ -148,7 +173,7 @@ def load_pretrained(
     config, layout = read_config(folder)
     config.attn_implementation = attn_implementation
     # A registered family's folder builds its own tower (a classic ViT read through MoonViT.from_pretrained).
-    build = tower_builder(config) or cls
+    build = tower_builder(config, cls)
     with torch.device("meta"):
         model = build(config)
     return assign_from_files(model, tensor_files(folder, layout.prefix), layout.source, folder, dtype, device)

@@ -6,16 +6,17 @@ goes back where its release loads (Kimi-VL, Kimi-K2.5 / K2.6, Kimi K3, NVIDIA Lo
 
 - ``config.json`` in the release's form: its ``model_type`` and ``architectures``, the tower's keys
   nested in ``vision_config`` as the release has them (``vt_*`` for K2.5 and K3), the projector's
-  where the release keeps them (:func:`~.formats.encoder_config_to_json`,
-  :func:`~.projector.projector_config_to_json`);
+  where the release keeps them (:func:`moonvit.families.moonvit.release_config_json`, from each
+  family's spec; :func:`~.projector.projector_config_to_json`);
 - the tensors under the release's names (``vision_tower.*`` + ``multi_modal_projector.*``,
   ``mm_projector.*``; ``vision_model.*`` + ``mlp1.*``), the inverse of the maps the loaders read
   them through, in ``model.safetensors`` or, past a size, shards and their index
   (:func:`~.storage.write_tensor_files`).
 
 The family is the tower's (K3's switches, K2.5's temporal table, else Kimi-VL's), LocateAnything's
-for a Kimi-VL tower with an ``mlp1`` projector. The language model is not part of it: the folder
-holds what this package trains, under the names the release's own shards give them.
+for a Kimi-VL tower with an ``mlp1`` projector (:func:`moonvit.families.moonvit.release_family`). The
+language model is not part of it: the folder holds what this package trains, under the names the
+release's own shards give them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import torch
 
 from ..files import write_text_atomic
 from ..model.projector import CONFIG_FILE, WEIGHTS_FILE
-from .formats import LOCATEANYTHING, encoder_config_from_json, encoder_config_to_json, release_tower_layout
 from .projector import projector_config_from_json, projector_config_to_json, release_projector_layout
 from .storage import DEFAULT_MAX_SHARD_BYTES, write_tensor_files
 
@@ -47,12 +47,10 @@ _RUNTIME_FIELDS = ("attn_implementation", "drop_path_rate")
 def release_family(encoder: MoonViTConfig, projector: ProjectorConfig | None = None) -> str:
     """The release a tower (and its projector) is saved as: ``kimi-k3`` for a tower with K3's switches,
     ``kimi-k25`` for one with a temporal table, else ``kimi-vl``, or ``locateanything`` for that
-    tower with an ``mlp1`` projector."""
-    if set(encoder.switches()) - {"layer_norm_eps"}:
-        return "kimi-k3"
-    if encoder.init_pos_emb_time:
-        return "kimi-k25"
-    return LOCATEANYTHING if projector is not None and projector.projector_type == "mlp1" else "kimi-vl"
+    tower with an ``mlp1`` projector (the rule: :func:`moonvit.families.moonvit.release_family`)."""
+    from ..families.moonvit import release_family as family_of  # the families build on this package
+
+    return family_of(encoder, None if projector is None else projector.projector_type)
 
 
 def release_config(encoder: MoonViTConfig, projector: ProjectorConfig | None, family: str) -> dict[str, Any]:
@@ -63,7 +61,9 @@ def release_config(encoder: MoonViTConfig, projector: ProjectorConfig | None, fa
             it reads as (a Kimi-VL tower's ``rope_theta``, K2.5's ``layer_norm_eps``, a Kimi-VL
             projector's eps), or a projector no such release holds, named.
     """
-    values = encoder_config_to_json(encoder, family)
+    from ..families.moonvit import release_config_json
+
+    values = release_config_json(encoder, family)
     if projector is not None:
         for key, part in projector_config_to_json(projector, family).items():
             values[key] = {**values.get(key, {}), **part} if isinstance(part, dict) else part
@@ -75,7 +75,10 @@ def _check_reads_back(
     values: dict[str, Any], encoder: MoonViTConfig, projector: ProjectorConfig | None, family: str
 ) -> None:
     """Read ``values`` back through the loaders' config readers; refuse any field that comes back changed."""
-    read, read_family = encoder_config_from_json(values, "config.json")
+    from ..families.moonvit import moonvit_family
+
+    read_as = moonvit_family(values)  # as the loader reads it, with no tensors to tell layouts apart
+    read, read_family = read_as.read(values, Path("config.json"), ())[0], read_as.name
     runtime = {name: getattr(encoder, name) for name in _RUNTIME_FIELDS}
     changed = _changed_fields(encoder, dataclasses.replace(read, **runtime))
     if projector is not None:
@@ -101,6 +104,8 @@ def release_tensors(encoder: MoonViT, projector: MoonViTProjector | None, family
     """The tower's and the projector's tensors under a ``family`` release's names, tower first (CPU,
     detached, in the models' dtypes)."""
     state = {name: tensor.detach().cpu() for name, tensor in encoder.state_dict().items()}
+    from ..families.moonvit import release_tower_layout
+
     tensors = release_tower_layout(family).checkpoint_tensors(state)
     if projector is not None:
         layout = release_projector_layout(family, projector.config.projector_type)
