@@ -23,7 +23,16 @@ from .encode import (
 from .media.image import IMAGE_EXTENSIONS, ImageLoadError, ImageTooLargeError, image_size, load_image
 from .media.packing import DEFAULT_MAX_PATCHES_PER_PACK, Pack, PackItem, pack_images
 from .media.presets import preset_processors
-from .media.processor import ImageBatch, ImagePlan, ImageSizeError, MoonViTImageProcessor, patchify, unpatchify
+from .media.processor import (
+    ImageBatch,
+    ImagePlan,
+    ImageProcessor,
+    ImageSizeError,
+    MoonViTImageProcessor,
+    patchify,
+    unpatchify,
+)
+from .media.selection import processor_for
 from .media.video import MoonViTVideoProcessor, VideoBatch, VideoFrames, VideoLoadError, VideoNotSupportedError
 from .model.config import PRESETS, MoonViTConfig, preset_config
 from .model.encoder import MoonViT, MoonViTOutput
@@ -46,6 +55,7 @@ __all__ = [
     "ImageBatch",
     "ImageLoadError",
     "ImagePlan",
+    "ImageProcessor",
     "ImageSizeError",
     "ImageTooLargeError",
     "LoRAConfig",
@@ -77,6 +87,7 @@ __all__ = [
     "pool_features",
     "preset_config",
     "preset_processors",
+    "processor_for",
     "tokens_per_image",
     "unpatchify",
 ]

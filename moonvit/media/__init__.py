@@ -4,7 +4,8 @@
 cannot), :mod:`.processor` resizes, pads, normalises and patchifies
 (``pixel_values``, ``grid_hws``), :mod:`.video` samples videos into chunks of up
 to 4 frames (Kimi-K2.5), :mod:`.packing` plans packs of whole images and chunks
-under a patch budget from their sizes alone.
+under a patch budget from their sizes alone, :mod:`.selection` gives a checkpoint's processor
+(:func:`processor_for`, any family's).
 """
 
 from .image import (
@@ -18,7 +19,16 @@ from .image import (
     load_image,
 )
 from .packing import DEFAULT_MAX_PATCHES_PER_PACK, Pack, PackItem, group_into_packs, pack_images, plan_pack_item
-from .processor import ImageBatch, ImagePlan, ImageSizeError, MoonViTImageProcessor, patchify, unpatchify
+from .processor import (
+    ImageBatch,
+    ImagePlan,
+    ImageProcessor,
+    ImageSizeError,
+    MoonViTImageProcessor,
+    patchify,
+    unpatchify,
+)
+from .selection import processor_for, register_processor_loader
 from .video import (
     VIDEO_EXTENSIONS,
     MoonViTVideoProcessor,
@@ -36,6 +46,7 @@ __all__ = [
     "ImageInput",
     "ImageLoadError",
     "ImagePlan",
+    "ImageProcessor",
     "ImageSizeError",
     "ImageTooLargeError",
     "VIDEO_EXTENSIONS",
@@ -56,5 +67,7 @@ __all__ = [
     "pack_images",
     "patchify",
     "plan_pack_item",
+    "processor_for",
+    "register_processor_loader",
     "unpatchify",
 ]

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from .image import ImageInput, image_size, image_sources
-from .processor import ImagePlan, ImageSizeError, MoonViTImageProcessor
+from .processor import ImagePlan, ImageProcessor, ImageSizeError
 from .video import MoonViTVideoProcessor, VideoChunk, VideoSource, is_video
 
 MediaInput = ImageInput | VideoSource
@@ -97,7 +97,7 @@ class Pack:
 
 def pack_images(
     images: MediaInput | Iterable[MediaInput],
-    processor: MoonViTImageProcessor,
+    processor: ImageProcessor,
     max_patches_per_pack: int = DEFAULT_MAX_PATCHES_PER_PACK,
     video_processor: MoonViTVideoProcessor | None = None,
 ) -> Iterator[Pack]:
@@ -145,7 +145,7 @@ def group_into_packs(items: Iterable[PackItem], max_patches_per_pack: int) -> It
         yield Pack(tuple(group))
 
 
-def plan_pack_item(index: int, source: ImageInput, processor: MoonViTImageProcessor, budget: int) -> PackItem:
+def plan_pack_item(index: int, source: ImageInput, processor: ImageProcessor, budget: int) -> PackItem:
     """Plan one image from its size alone, scaled down if alone it exceeds ``budget`` patches.
 
     Raises:
@@ -196,7 +196,7 @@ def plan_video_items(index: int, source: VideoSource, processor: MoonViTVideoPro
     return [PackItem(index, chunk, plan, limit) for chunk in chunks]
 
 
-def _fit_token_limit(processor: MoonViTImageProcessor, size: tuple[int, int], budget: int) -> int:
+def _fit_token_limit(processor: ImageProcessor, size: tuple[int, int], budget: int) -> int:
     """Largest ``in_token_limit`` whose padded grid has at most ``budget`` patches.
 
     Assumes the processor's own limit does not fit. The padded patch count never decreases as

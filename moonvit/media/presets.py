@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..model.config import PRESETS
-from .processor import MoonViTImageProcessor
+from .processor import ImageProcessor, MoonViTImageProcessor
 from .video import MoonViTVideoProcessor
 
 __all__ = [
@@ -112,15 +112,19 @@ def preset_processors(preset: str, **image_overrides: Any) -> ProcessorRule:
 
 
 def describe_processors(
-    image: MoonViTImageProcessor, video: MoonViTVideoProcessor, *, takes_video: bool, family: str | None = None
+    image: ImageProcessor, video: MoonViTVideoProcessor, *, takes_video: bool, family: str | None = None
 ) -> str:
     """One line naming the processors' rule and its numbers, e.g. ``Kimi K3's rule: images 65536
     patches (sides over 512 resized); videos 8 fps, 16384 patches a frame, 655360 a video``.
 
     ``family`` names the rule (a preset's); without it, the family whose rule the processors equal
     is named, if any (a checkpoint folder's). Videos are left out for an image-only tower
-    (``takes_video`` False).
+    (``takes_video`` False). Another family's processor (the classic ViT's) describes itself
+    (its ``describe()``).
     """
+    if not isinstance(image, MoonViTImageProcessor):
+        describe = getattr(image, "describe", None)
+        return describe() if callable(describe) else f"{type(image).__name__} {image.to_dict()}"
     if family is None:
         rules = (family_rule(name) for name in FAMILY_RULES)
         family = next((r.family for r in rules if r.image == image and (not takes_video or r.video == video)), None)

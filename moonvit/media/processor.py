@@ -32,7 +32,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Protocol, get_args
 
 import numpy as np
 import torch
@@ -61,6 +61,7 @@ __all__ = [
     "ImageInput",
     "ImageLoadError",
     "ImagePlan",
+    "ImageProcessor",
     "ImageSizeError",
     "ImageTooLargeError",
     "MoonViTImageProcessor",
@@ -177,6 +178,66 @@ class ImageBatch:
 
     def to(self, device: torch.device | str) -> ImageBatch:
         return ImageBatch(self.pixel_values.to(device), self.grid_hws.to(device))
+
+
+class ImageProcessor(Protocol):
+    """What the pipeline (packing, :mod:`moonvit.encode`, videos, the trainer) reads of an image processor.
+
+    :class:`MoonViTImageProcessor` is one; the classic ViT's rules
+    (:mod:`moonvit.families.vit.processor`) are others. :func:`moonvit.media.processor_for` gives a
+    checkpoint's.
+
+    Attributes:
+        patch_size: patch side p in pixels.
+        merge_kernel_size: (rows, cols) of patches the tower merges into one token ((1, 1): none).
+        in_token_limit: the patch budget per image (a fixed-size rule: the patches every image gives).
+        image_mean, image_std: the per-channel normalisation.
+    """
+
+    @property
+    def patch_size(self) -> int: ...
+    @property
+    def merge_kernel_size(self) -> tuple[int, int]: ...
+    @property
+    def in_token_limit(self) -> int: ...
+    @property
+    def image_mean(self) -> tuple[float, float, float]: ...
+    @property
+    def image_std(self) -> tuple[float, float, float]: ...
+
+    def plan_image(self, width: int, height: int, *, in_token_limit: int | None = None) -> ImagePlan:
+        """An image's geometry and patch grid from its size alone (``in_token_limit``: another budget)."""
+        ...
+
+    def load_image(self, source: ImageInput) -> Image.Image:
+        """``source`` decoded to an RGB Pillow image."""
+        ...
+
+    def render(self, image: Image.Image, plan: ImagePlan) -> torch.Tensor:
+        """The RGB image resized / padded / cropped as ``plan`` says: (3, rows * p, cols * p) uint8."""
+        ...
+
+    def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 (..., 3, p, p) -> float32 normalised pixels."""
+        ...
+
+    def __call__(
+        self, images: ImageInput | Iterable[ImageInput], *, in_token_limit: int | Sequence[int | None] | None = None
+    ) -> ImageBatch:
+        """Images -> ``pixel_values`` (L, 3, p, p) float32 and ``grid_hws`` (N, 2) int64."""
+        ...
+
+    def to_images(self, pixel_values: torch.Tensor, grid_hws: torch.Tensor) -> list[torch.Tensor]:
+        """The processor's output back to one (3, rows * p, cols * p) uint8 image per grid."""
+        ...
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings, with ``image_processor_type``."""
+        ...
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write ``directory/preprocessor_config.json``; returns its path."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from PIL import Image
 
 from ..files import write_text_atomic
 from .image import ImageInput, ImageLoadError, image_size, load_image
-from .processor import VIDEO_CONFIG_NAME, ImagePlan, MoonViTImageProcessor, patchify
+from .processor import VIDEO_CONFIG_NAME, ImagePlan, ImageProcessor, MoonViTImageProcessor, patchify
 
 __all__ = [
     "VIDEO_EXTENSIONS",
@@ -327,7 +327,7 @@ class MoonViTVideoProcessor:
             640x480: 34x44 = 1496 patches each, 718,080 in all, 9.6% over 655,360).
     """
 
-    frame_processor: MoonViTImageProcessor = dataclasses.field(
+    frame_processor: ImageProcessor = dataclasses.field(
         default_factory=lambda: MoonViTImageProcessor(in_token_limit=4096, side_limit_mode="resize")
     )
     sample_fps: float = 2.0
@@ -345,9 +345,12 @@ class MoonViTVideoProcessor:
             raise ValueError(f"video_patch_limit must be a positive int or None, got {self.video_patch_limit!r}")
 
     @classmethod
-    def for_images(cls, processor: MoonViTImageProcessor, frame_limit: int = 4096) -> MoonViTVideoProcessor:
+    def for_images(cls, processor: ImageProcessor, frame_limit: int = 4096) -> MoonViTVideoProcessor:
         """The video processor that goes with an image processor: its normalisation and
-        geometry, K2.5's per-frame budget and per-side cap."""
+        geometry, K2.5's per-frame budget and per-side cap. Another family's rule (the classic
+        ViT's, whose towers take single images) is used for the frames as it is."""
+        if not isinstance(processor, MoonViTImageProcessor):
+            return cls(frame_processor=processor)
         frames = dataclasses.replace(
             processor, in_token_limit=min(frame_limit, processor.in_token_limit), side_limit_mode="resize"
         )

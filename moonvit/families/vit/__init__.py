@@ -13,6 +13,7 @@ from .. import Family, register_family
 from . import formats
 from .config import PRESETS, ClassicViTConfig, classic_vit_config
 from .model import ClassicViT
+from .processor import RULES, ClassicViTImageProcessor, NativeViTImageProcessor, processor_for_config  # noqa: F401
 
 __all__ = ["PRESETS", "ClassicViT", "ClassicViTConfig", "classic_vit_config"]
 

@@ -1,0 +1,681 @@
+"""The classic ViT's and DeiT's image processors: each checkpoint's own rule, and a native-resolution one.
+
+Rules, chosen by name (:data:`RULES`, :func:`processor_for_config`, :func:`from_folder`):
+
+- ``vit``: transformers' ``ViTImageProcessor``: resize to ``size`` (224 x 224) with ``resample``
+  (bilinear), ``x * rescale_factor`` (1/255), ``(x - image_mean) / image_std`` (0.5, 0.5);
+- ``deit``: ``DeiTImageProcessor`` as the DeiT releases ship it: resize to 256 x 256 bicubic,
+  centre-crop 224 x 224, ImageNet's mean and std;
+- ``native``: :class:`NativeViTImageProcessor`: each image at about its own size, sides resized to
+  whole patches within a patch budget, aspect kept, the checkpoint's normalisation.
+
+A timm folder's own rule is timm's evaluation transform from its ``config.json``'s ``pretrained_cfg``
+(``input_size``, ``interpolation``, ``crop_pct``, ``crop_mode``, ``mean``, ``std``): the shorter side
+resized to ``floor(size / crop_pct)``, a centre crop of ``size`` (offsets rounded, as torchvision's
+``CenterCrop``), ``x / 255``, then the normalisation.
+
+The fixed rules (:class:`ClassicViTImageProcessor`) give pixel values equal, in float32, to
+transformers' PIL-backend processors (``ViTImageProcessorPil``, ``DeiTImageProcessorPil``, the
+"slow" ones): the same Pillow resize of the uint8 image, the same crop offsets, the rescale in
+float64 cast to float32, the normalisation in float32. Both processors cut each image into
+``(rows * cols, 3, p, p)`` patches in raster order (:func:`~moonvit.media.processor.patchify`), the
+layout :class:`~moonvit.families.vit.ClassicViT` takes, and share the pipeline's interface
+(:class:`~moonvit.media.processor.ImageProcessor`): ``plan_image`` gives an image's grid from its size
+alone (a fixed rule: the same grid for every image, 14 x 14 at 224 px), so packing plans from headers.
+
+:func:`moonvit.media.processor_for` is the entry point for a checkpoint folder of any family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ...files import write_text_atomic
+from ...media.image import ImageInput, image_sources, load_image
+from ...media.processor import (
+    CONFIG_NAME,
+    ImageBatch,
+    ImagePlan,
+    MoonViTImageProcessor,
+    _as_tuple,
+    _check_choice,
+    _check_positive_int,
+    patchify,
+    unpatchify,
+)
+from ...media.selection import register_processor_loader
+from ...weights.checkpoint import read_config
+from ...weights.config_keys import warn_unread_keys
+from ...weights.storage import CheckpointError, read_json
+from .config import ClassicViTConfig
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "NATIVE_BUDGET_FACTOR",
+    "RULES",
+    "ClassicViTImageProcessor",
+    "NativeViTImageProcessor",
+    "from_folder",
+    "own_rule",
+    "processor_for_config",
+]
+
+RULES = ("vit", "deit", "native")
+"""The rules chosen by name (``Family.processors`` of the classic-ViT family)."""
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+HALF = (0.5, 0.5, 0.5)
+NATIVE_BUDGET_FACTOR = 4
+"""The native rule's default patch budget per image: this many times the checkpoint's native grid
+(784 patches for 224 px at patch 16, a 448 x 448 image's)."""
+DEIT_CROP_RATIO = 224 / 256
+"""DeiT's evaluation crop: the image resized to ``floor(size / ratio)`` (256 for 224), then cropped to ``size``."""
+
+# Pillow's filter codes, as transformers' ``resample`` stores them, and timm's names for them.
+RESAMPLE_NAMES = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
+TIMM_INTERPOLATION = {name: code for code, name in RESAMPLE_NAMES.items()}
+CropOffset = Literal["floor", "round"]
+Rule = Literal["vit", "deit", "timm"]
+
+# Keys of transformers' ViT / DeiT preprocessor_config.json that do not change the pixels here:
+# bookkeeping, and do_convert_rgb (images are always decoded to RGB).
+_TRANSFORMERS_BOOKKEEPING = {
+    "image_processor_type", "feature_extractor_type", "processor_class", "auto_map", "do_convert_rgb",
+    "input_data_format", "data_format", "return_tensors", "device", "default_to_square",
+}  # fmt: skip
+_TRANSFORMERS_KEYS = {
+    "do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale", "rescale_factor",
+    "do_normalize", "image_mean", "image_std",
+}  # fmt: skip
+# transformers' own class defaults (ViTImageProcessor and DeiTImageProcessor), which a key the file
+# lacks takes: both normalise with 0.5 by default; the DeiT releases' files give ImageNet's.
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "vit": {"size": {"height": 224, "width": 224}, "resample": 2, "do_center_crop": False},
+    "deit": {
+        "size": {"height": 256, "width": 256}, "resample": 3, "do_center_crop": True,
+        "crop_size": {"height": 224, "width": 224},
+    },
+}  # fmt: skip
+_TRANSFORMERS_TYPES = {"ViTImageProcessor": "vit", "DeiTImageProcessor": "deit"}
+
+
+# ---- what both rules share -------------------------------------------------------------------
+
+
+class _PatchRule:
+    """Decoding, rendering, normalising and patchifying, shared by the classic ViT's processors.
+
+    Subclasses are frozen dataclasses with ``patch_size``, ``resample``, ``rescale_factor``,
+    ``image_mean`` and ``image_std`` fields and a ``plan_image`` method.
+    """
+
+    patch_size: int
+    resample: int
+    rescale_factor: float
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+
+    @property
+    def merge_kernel_size(self) -> tuple[int, int]:
+        """(1, 1): the classic ViT has no patch merger; each patch is one output token."""
+        return (1, 1)
+
+    def plan_image(self, width: int, height: int, *, in_token_limit: int | None = None) -> ImagePlan:
+        raise NotImplementedError
+
+    def load_image(self, source: ImageInput) -> Image.Image:
+        """:func:`~moonvit.media.image.load_image`: RGB, EXIF orientation applied, transparency over white."""
+        return load_image(source)
+
+    def __call__(
+        self,
+        images: ImageInput | Iterable[ImageInput],
+        *,
+        in_token_limit: int | Sequence[int | None] | None = None,
+    ) -> ImageBatch:
+        """Process one image or any iterable of them into an :class:`~moonvit.media.processor.ImageBatch`:
+        ``pixel_values`` (L, 3, p, p) float32, each image's patches in raster order, and
+        ``grid_hws`` (N, 2) int64.
+
+        ``in_token_limit`` (one value, or one per image, None meaning the processor's own) replaces
+        the native rule's patch budget; a fixed-size rule ignores it.
+
+        Raises:
+            ImageLoadError: an input cannot be read as an image.
+        """
+        sources = list(image_sources(images))
+        if in_token_limit is None or isinstance(in_token_limit, int):
+            limits: list[int | None] = [in_token_limit] * len(sources)
+        else:
+            limits = list(in_token_limit)
+            if len(limits) != len(sources):
+                raise ValueError(f"got {len(limits)} in_token_limit values for {len(sources)} images")
+        patches, grids = [], []
+        for source, limit in zip(sources, limits):
+            image = self.load_image(source)
+            plan = self.plan_image(*image.size, in_token_limit=limit)
+            patches.append(patchify(self.render(image, plan), self.patch_size))
+            grids.append(plan.grid_hw)
+        p = self.patch_size
+        pixels = torch.cat(patches) if patches else torch.empty((0, 3, p, p), dtype=torch.uint8)
+        return ImageBatch(self.normalize(pixels), torch.tensor(grids, dtype=torch.int64).reshape(-1, 2))
+
+    def render(self, image: Image.Image, plan: ImagePlan) -> torch.Tensor:
+        """Resize (Pillow, ``resample``, on the uint8 image) and crop an RGB image as ``plan`` says:
+        (3, rows * p, cols * p) uint8. A crop box past the image's edges reads black there, as
+        transformers' ``center_crop`` pads."""
+        if image.size != plan.resized_size:
+            image = image.resize(plan.resized_size, Image.Resampling(self.resample))
+        if plan.box != (0, 0, *image.size):
+            image = image.crop(plan.box)
+        return torch.from_numpy(np.array(image)).permute(2, 0, 1)
+
+    def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 (..., 3, p, p) -> float32 ``(x * rescale_factor - mean) / std`` in transformers' dtypes:
+        the rescale in float64 cast to float32 (equal to torchvision's float32 ``x / 255`` for every
+        uint8 value), the normalisation in float32."""
+        mean = torch.tensor(self.image_mean, dtype=torch.float32).view(3, 1, 1)
+        std = torch.tensor(self.image_std, dtype=torch.float32).view(3, 1, 1)
+        scaled = pixels.to(torch.float64).mul_(self.rescale_factor).to(torch.float32)
+        return scaled.sub_(mean).div_(std)
+
+    def to_images(self, pixel_values: torch.Tensor, grid_hws: torch.Tensor) -> list[torch.Tensor]:
+        """Invert :meth:`normalize` and the patching: one (3, rows * p, cols * p) uint8 image per grid."""
+        mean = torch.tensor(self.image_mean).view(3, 1, 1)
+        std = torch.tensor(self.image_std).view(3, 1, 1)
+        pixels = (pixel_values.float().cpu() * std + mean).div_(self.rescale_factor)
+        pixels = pixels.round_().clamp_(0, 255).to(torch.uint8)
+        grids = grid_hws.tolist()
+        return [unpatchify(chunk, grid) for chunk, grid in zip(pixels.split([h * w for h, w in grids]), grids)]
+
+    def to_dict(self) -> dict[str, Any]:
+        assert dataclasses.is_dataclass(self)
+        return {"image_processor_type": type(self).__name__, **dataclasses.asdict(self)}
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write the settings to ``directory/preprocessor_config.json`` (read back by :func:`from_folder`)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        file = directory / CONFIG_NAME
+        write_text_atomic(file, json.dumps(self.to_dict(), indent=2) + "\n")
+        return file
+
+    def _check_common(self) -> None:
+        _check_positive_int("patch_size", self.patch_size)
+        if self.resample not in RESAMPLE_NAMES:
+            raise ValueError(f"resample must be one of Pillow's filters {RESAMPLE_NAMES}, got {self.resample!r}")
+        if isinstance(self.rescale_factor, bool) or not isinstance(self.rescale_factor, (int, float)):
+            raise ValueError(f"rescale_factor must be a number, got {self.rescale_factor!r}")
+        if not (self.rescale_factor > 0 and math.isfinite(self.rescale_factor)):
+            raise ValueError(f"rescale_factor must be a positive number, got {self.rescale_factor!r}")
+        mean = _as_tuple("image_mean", self.image_mean, 3, float)
+        std = _as_tuple("image_std", self.image_std, 3, float)
+        if min(std) <= 0:
+            raise ValueError(f"image_std must be positive, got {std}")
+        object.__setattr__(self, "image_mean", mean)
+        object.__setattr__(self, "image_std", std)
+        object.__setattr__(self, "rescale_factor", float(self.rescale_factor))
+
+    def _normalisation(self) -> str:
+        mean = "/".join(f"{v:g}" for v in self.image_mean)
+        std = "/".join(f"{v:g}" for v in self.image_std)
+        return f"mean {mean}, std {std}"
+
+
+# ---- each checkpoint's own rule: resize, maybe crop ------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClassicViTImageProcessor(_PatchRule):
+    """A fixed-size rule: resize, optionally centre-crop, rescale, normalise, patchify.
+
+    Every image gives the same grid, ``output_size / patch_size`` (14 x 14 at 224 px, patch 16).
+
+    Attributes:
+        rule: the rule's name, for messages and saved files: ``"vit"`` (transformers' ViT),
+            ``"deit"`` (resize then crop) or ``"timm"`` (timm's evaluation transform).
+        patch_size: patch side p in pixels (the checkpoint's).
+        size: (height, width) every image is resized to, aspect not kept (transformers'
+            ``size {"height", "width"}``); None with ``shortest_edge``.
+        shortest_edge: the shorter side is resized to this, the longer to
+            ``int(shortest_edge * long / short)`` (transformers' ``size {"shortest_edge"}``,
+            torchvision's ``Resize(int)``); needs ``crop_size``.
+        resample: Pillow's filter code (0 nearest, 1 lanczos, 2 bilinear, 3 bicubic, 4 box, 5 hamming).
+        crop_size: (height, width) of the centre crop after the resize; None: no crop.
+        crop_offset: the crop's top-left offset from ``(resized - crop) / 2``: ``"floor"``
+            (transformers' ``center_crop``) or ``"round"`` (torchvision's ``CenterCrop``, Python's
+            round half to even, which timm uses).
+        rescale_factor: pixels are multiplied by it (1/255; 1.0 for a file with ``do_rescale`` false).
+        image_mean, image_std: per-channel normalisation (0 and 1 for ``do_normalize`` false).
+    """
+
+    rule: Rule = "vit"
+    patch_size: int = 16
+    size: tuple[int, int] | None = (224, 224)
+    shortest_edge: int | None = None
+    resample: int = 2
+    crop_size: tuple[int, int] | None = None
+    crop_offset: CropOffset = "floor"
+    rescale_factor: float = 1 / 255
+    image_mean: tuple[float, float, float] = HALF
+    image_std: tuple[float, float, float] = HALF
+
+    def __post_init__(self) -> None:
+        self._check_common()
+        _check_choice("rule", self.rule, Rule)
+        _check_choice("crop_offset", self.crop_offset, CropOffset)
+        if (self.size is None) == (self.shortest_edge is None):
+            raise ValueError(
+                f"give exactly one of size and shortest_edge, got {self.size!r} and {self.shortest_edge!r}"
+            )
+        if self.size is not None:
+            object.__setattr__(self, "size", _pair("size", self.size))
+        else:
+            _check_positive_int("shortest_edge", self.shortest_edge)
+            if self.crop_size is None:
+                raise ValueError(
+                    "shortest_edge without crop_size gives images of any size, not a fixed grid; "
+                    "add crop_size, or use the native rule for images at their own size"
+                )
+        if self.crop_size is not None:
+            object.__setattr__(self, "crop_size", _pair("crop_size", self.crop_size))
+        height, width = self.output_size
+        if height % self.patch_size or width % self.patch_size:
+            raise ValueError(
+                f"the output of {height}x{width} px ({'crop_size' if self.crop_size else 'size'}) is not a multiple "
+                f"of the {self.patch_size} px patch"
+            )
+
+    @property
+    def output_size(self) -> tuple[int, int]:
+        """(height, width) of every processed image."""
+        size = self.crop_size or self.size
+        assert size is not None  # __post_init__: shortest_edge comes with crop_size
+        return size
+
+    @property
+    def grid_hw(self) -> tuple[int, int]:
+        """(rows, cols) of patches of every image (14, 14 at 224 px, patch 16)."""
+        height, width = self.output_size
+        return height // self.patch_size, width // self.patch_size
+
+    @property
+    def in_token_limit(self) -> int:
+        """The patches every image gives (rows * cols): the pipeline's per-image budget."""
+        rows, cols = self.grid_hw
+        return rows * cols
+
+    def resized_size(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) of a ``width`` x ``height`` image after the resize, before the crop."""
+        if self.size is not None:
+            return self.size[1], self.size[0]
+        assert self.shortest_edge is not None
+        short, long = (width, height) if width <= height else (height, width)
+        new_short, new_long = self.shortest_edge, int(self.shortest_edge * long / short)
+        return (new_short, new_long) if width <= height else (new_long, new_short)
+
+    def plan_image(self, width: int, height: int, *, in_token_limit: int | None = None) -> ImagePlan:
+        """The resize, crop and grid of a ``width`` x ``height`` image, without pixels.
+
+        ``in_token_limit`` is accepted for the pipeline's interface and changes nothing: every
+        image gives :attr:`grid_hw`.
+        """
+        if width < 1 or height < 1:
+            raise ValueError(f"image size must be positive, got {width}x{height}")
+        resized = self.resized_size(width, height)
+        if self.crop_size is None:
+            box = (0, 0, *resized)
+        else:
+            crop_h, crop_w = self.crop_size
+            left, top = self._offset(resized[0] - crop_w), self._offset(resized[1] - crop_h)
+            box = (left, top, left + crop_w, top + crop_h)
+        return ImagePlan((width, height), resized, box, self.grid_hw)
+
+    def _offset(self, extra: int) -> int:
+        # transformers: (orig - crop) // 2 (a floor, also for a crop larger than the image, which it
+        # pads around the image); torchvision: int(round((orig - crop) / 2.0))
+        return extra // 2 if self.crop_offset == "floor" else round(extra / 2)
+
+    def describe(self) -> str:
+        """One line: the rule, its geometry and normalisation."""
+        name = {"vit": "ViT's rule", "deit": "DeiT's rule", "timm": "timm's rule"}[self.rule]
+        filter_name = RESAMPLE_NAMES[self.resample]
+        if self.size is not None:
+            resize = f"resize to {self.size[1]}x{self.size[0]} ({filter_name})"
+        else:
+            resize = f"shorter side to {self.shortest_edge} ({filter_name})"
+        crop = "" if self.crop_size is None else f", centre crop {self.crop_size[1]}x{self.crop_size[0]}"
+        rows, cols = self.grid_hw
+        return f"{name}: {resize}{crop}, {self._normalisation()}; {rows}x{cols} patches of {self.patch_size} px"
+
+
+# ---- the native-resolution rule ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NativeViTImageProcessor(_PatchRule):
+    """Each image at about its own size: sides resized to whole patches, within a patch budget.
+
+    For a ``W`` x ``H`` image, patch ``p`` and budget ``N`` (``in_token_limit``):
+
+    1. ``s = min(1, sqrt(N * p^2 / (W * H)))``: images are scaled down to about ``N`` patches,
+       never up;
+    2. ``rows, cols = round(H * s / p), round(W * s / p)`` (halves up, at least 1); if that is over
+       ``N``, both are rounded down instead, which never is (a side held at 1 patch can leave the
+       other over it, and it is cut to ``N // 1``);
+    3. each side is capped at ``patch_limit_on_one_side`` patches;
+    4. one Pillow resize (``resample``) to ``(cols * p, rows * p)``; no padding, no crop.
+
+    So sides are multiples of ``p``, ``rows * cols <= N``, and each side is within one patch of the
+    image's scaled side (the aspect kept; very thin images, held at one patch or at the side cap,
+    are stretched). An image already on whole patches within the budget is not resized at all.
+
+    MoonViT's rule (:class:`~moonvit.media.processor.MoonViTImageProcessor` with patch 16 and no
+    merger) is not reused: it pads the last row and column of patches with black, which the classic
+    ViT's class token attends to, and the padding can take an image over the budget.
+
+    Attributes:
+        patch_size: patch side p in pixels (the checkpoint's).
+        in_token_limit: the patch budget per image (default :data:`NATIVE_BUDGET_FACTOR` times the
+            checkpoint's native grid: 784 for 224 px at patch 16).
+        patch_limit_on_one_side: most patches along either side (the tower's ``max_grid_side``).
+        resample: Pillow's filter code (the checkpoint's own rule's).
+        rescale_factor, image_mean, image_std: the checkpoint's normalisation.
+    """
+
+    patch_size: int = 16
+    in_token_limit: int = NATIVE_BUDGET_FACTOR * 14 * 14
+    patch_limit_on_one_side: int = 512
+    resample: int = 3
+    rescale_factor: float = 1 / 255
+    image_mean: tuple[float, float, float] = HALF
+    image_std: tuple[float, float, float] = HALF
+
+    def __post_init__(self) -> None:
+        self._check_common()
+        _check_positive_int("in_token_limit", self.in_token_limit)
+        _check_positive_int("patch_limit_on_one_side", self.patch_limit_on_one_side)
+
+    def plan_image(self, width: int, height: int, *, in_token_limit: int | None = None) -> ImagePlan:
+        """The resize and grid of a ``width`` x ``height`` image (see the class docstring), without
+        pixels; ``in_token_limit`` replaces the budget for this image."""
+        if width < 1 or height < 1:
+            raise ValueError(f"image size must be positive, got {width}x{height}")
+        limit = self.in_token_limit if in_token_limit is None else in_token_limit
+        _check_positive_int("in_token_limit", limit)
+        p = self.patch_size
+        scale = min(1.0, math.sqrt(limit * p * p / (width * height)))
+        exact_rows, exact_cols = height * scale / p, width * scale / p
+        rows, cols = max(1, math.floor(exact_rows + 0.5)), max(1, math.floor(exact_cols + 0.5))
+        if rows * cols > limit:
+            rows, cols = max(1, math.floor(exact_rows)), max(1, math.floor(exact_cols))
+        if rows * cols > limit:  # a side held at one patch leaves the other over the budget
+            rows, cols = min(rows, limit), min(cols, limit)
+        rows, cols = min(rows, self.patch_limit_on_one_side), min(cols, self.patch_limit_on_one_side)
+        resized = (cols * p, rows * p)
+        return ImagePlan((width, height), resized, (0, 0, *resized), (rows, cols))
+
+    def describe(self) -> str:
+        """One line: the rule, its budget and normalisation."""
+        return (
+            f"native rule: up to {self.in_token_limit} patches of {self.patch_size} px an image (sides over "
+            f"{self.patch_limit_on_one_side} capped), aspect kept, resized ({RESAMPLE_NAMES[self.resample]}) to "
+            f"whole patches, {self._normalisation()}"
+        )
+
+
+def _pair(name: str, value: Any) -> tuple[int, int]:
+    pair = _as_tuple(name, value, 2, int)
+    for side in pair:
+        _check_positive_int(name, side)
+    return pair
+
+
+# ---- rules by name -----------------------------------------------------------------------------
+
+Processor = ClassicViTImageProcessor | NativeViTImageProcessor | MoonViTImageProcessor
+
+
+def processor_for_config(
+    config: ClassicViTConfig, rule: str = "vit", *, base: Processor | None = None, **overrides: Any
+) -> ClassicViTImageProcessor | NativeViTImageProcessor:
+    """The rule ``rule`` for a tower of ``config`` (a preset's, or a folder's).
+
+    The geometry is the named rule's at the tower's ``image_size`` and ``patch_size``: ``vit``
+    resizes to ``image_size`` square (bilinear); ``deit`` resizes to ``floor(image_size * 256 / 224)``
+    square (bicubic) and crops ``image_size``; ``native`` gives :class:`NativeViTImageProcessor` with
+    a budget of :data:`NATIVE_BUDGET_FACTOR` times the native grid and the tower's ``max_grid_side``.
+    The normalisation (and the native rule's filter) is ``base``'s, the checkpoint's own rule, where
+    given; else the named rule's: 0.5 / 0.5 for ``vit`` and ``native``, ImageNet's for ``deit``.
+    ``overrides`` replace any field last.
+
+    Raises:
+        ValueError: an unknown rule name, or an invalid override.
+    """
+    if rule not in RULES:
+        raise ValueError(f"unknown processor rule {rule!r}; choose one of {', '.join(RULES)}")
+    size, p = config.image_size, config.patch_size
+    settings: dict[str, Any]
+    if rule == "native":
+        settings = {
+            "patch_size": p,
+            "in_token_limit": NATIVE_BUDGET_FACTOR * config.grid_side**2,
+            "patch_limit_on_one_side": config.max_grid_side,
+            "resample": 3,
+        }
+    elif rule == "vit":
+        settings = {"rule": "vit", "patch_size": p, "size": (size, size), "resample": 2}
+    else:
+        resized = math.floor(size / DEIT_CROP_RATIO)
+        settings = {
+            "rule": "deit", "patch_size": p, "size": (resized, resized), "resample": 3, "crop_size": (size, size),
+            "image_mean": IMAGENET_MEAN, "image_std": IMAGENET_STD,
+        }  # fmt: skip
+    if base is not None:
+        settings.update(image_mean=base.image_mean, image_std=base.image_std)
+        if isinstance(base, _PatchRule):
+            settings["rescale_factor"] = base.rescale_factor
+            if rule == "native":
+                settings["resample"] = base.resample
+    cls = NativeViTImageProcessor if rule == "native" else ClassicViTImageProcessor
+    return cls(**{**settings, **overrides})
+
+
+# ---- a folder's own rule -----------------------------------------------------------------------
+
+
+def own_rule(folder: Path, config: ClassicViTConfig) -> tuple[str, Processor] | None:
+    """The rule a classic-ViT folder's own files give, with its kind (``"vit"``, ``"deit"``,
+    ``"timm"``, ``"native"``, or ``"moonvit"`` for a MoonViT-style processor file), or None when
+    they give none.
+
+    Read in order: ``preprocessor_config.json`` (transformers' ``ViTImageProcessor`` /
+    ``DeiTImageProcessor``, their ``Pil`` / ``Fast`` variants and older ``...FeatureExtractor``
+    names, or this package's own :class:`ClassicViTImageProcessor`, :class:`NativeViTImageProcessor`
+    or :class:`~moonvit.media.processor.MoonViTImageProcessor` file), then a timm ``config.json``'s
+    ``pretrained_cfg``. The patch size is the tower's (``config``).
+
+    Raises:
+        CheckpointError: a file that is not valid JSON, names another processor type, or holds a
+            setting this package cannot reproduce (the file and key named).
+    """
+    file = folder / CONFIG_NAME
+    if file.is_file():
+        return _from_preprocessor_file(file, config)
+    model_file = folder / "config.json"
+    pretrained = read_json(model_file).get("pretrained_cfg") if model_file.is_file() else None
+    if pretrained is None:
+        return None
+    if not isinstance(pretrained, dict):
+        raise CheckpointError(f"{model_file}: pretrained_cfg is a {type(pretrained).__name__}, not an object")
+    try:
+        return "timm", _from_timm(pretrained, config.patch_size)
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{model_file}: pretrained_cfg: {error}") from error
+
+
+def _from_preprocessor_file(file: Path, config: ClassicViTConfig) -> tuple[str, Processor]:
+    values = read_json(file)
+    kind = values.get("image_processor_type", values.get("feature_extractor_type"))
+    own: dict[str, type[_PatchRule]] = {c.__name__: c for c in (ClassicViTImageProcessor, NativeViTImageProcessor)}
+    try:
+        if kind in own:
+            cls = own[kind]
+            fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+            warn_unread_keys(file, values, {*fields, "image_processor_type"})
+            processor = cls(**{k: v for k, v in values.items() if k in fields})
+            assert isinstance(processor, (ClassicViTImageProcessor, NativeViTImageProcessor))
+            return ("native" if isinstance(processor, NativeViTImageProcessor) else processor.rule), processor
+        if kind == MoonViTImageProcessor.__name__:
+            return "moonvit", MoonViTImageProcessor.from_pretrained(file)
+        name = str(kind).removesuffix("Pil").removesuffix("Fast").replace("FeatureExtractor", "ImageProcessor")
+        if name not in _TRANSFORMERS_TYPES:
+            raise CheckpointError(
+                f"{file}: image_processor_type {kind!r} is not a ViT or DeiT processor (ViTImageProcessor, "
+                "DeiTImageProcessor, or this package's ClassicViTImageProcessor / NativeViTImageProcessor); pass a "
+                "rule by name (vit, deit, native) to choose one"
+            )
+        warn_unread_keys(file, values, _TRANSFORMERS_KEYS | _TRANSFORMERS_BOOKKEEPING)
+        rule = _TRANSFORMERS_TYPES[name]
+        return rule, _from_transformers(values, rule, config.patch_size)
+    except (TypeError, ValueError) as error:  # CheckpointError is neither
+        raise CheckpointError(f"{file}: {error}") from error
+
+
+def _from_transformers(values: dict[str, Any], rule: str, patch_size: int) -> ClassicViTImageProcessor:
+    """transformers' ViT / DeiT processor settings (a ``preprocessor_config.json``), its class
+    defaults where a key is missing."""
+    settings = {**_TRANSFORMERS_DEFAULTS[rule], **values}
+    if not settings.get("do_resize", True):
+        raise ValueError(
+            "do_resize false: the image's own size would decide its grid; use the native rule for images at "
+            "their own size"
+        )
+    fields: dict[str, Any] = {"rule": rule, "patch_size": patch_size, "resample": settings["resample"]}
+    fields.update(_size_fields(settings["size"], "size"))
+    if settings.get("do_center_crop"):
+        crop = _size_fields(settings.get("crop_size"), "crop_size")
+        if "size" not in crop:
+            raise ValueError(f"crop_size {settings.get('crop_size')!r}: a centre crop needs a height and width")
+        fields["crop_size"] = crop["size"]
+    fields["rescale_factor"] = settings.get("rescale_factor", 1 / 255) if settings.get("do_rescale", True) else 1.0
+    if settings.get("do_normalize", True):
+        fields["image_mean"] = _channels("image_mean", settings.get("image_mean", HALF))
+        fields["image_std"] = _channels("image_std", settings.get("image_std", HALF))
+    else:
+        fields["image_mean"], fields["image_std"] = (0.0,) * 3, (1.0,) * 3  # (x - 0) / 1: x unchanged
+    return ClassicViTImageProcessor(**fields)
+
+
+def _size_fields(value: Any, key: str) -> dict[str, Any]:
+    """transformers' ``size`` / ``crop_size``: an int (a square, as ``get_size_dict`` reads it), a
+    ``{"height", "width"}`` dict, or ``{"shortest_edge"}``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {"size": (value, value)}
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return {"size": tuple(value)}
+    if isinstance(value, dict):
+        given = {k for k, v in value.items() if v is not None}
+        if given == {"height", "width"}:
+            return {"size": (value["height"], value["width"])}
+        if given == {"shortest_edge"}:
+            return {"size": None, "shortest_edge": value["shortest_edge"]}
+        raise ValueError(
+            f"{key} {value!r}: only height and width, or shortest_edge alone, are supported (keys {sorted(given)})"
+        )
+    raise ValueError(f"{key} {value!r} is not an int or a size dict")
+
+
+def _channels(key: str, value: Any) -> tuple[float, ...]:
+    """A per-channel value of a processor file: a number for all three channels, or three numbers."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (float(value),) * 3
+    return _as_tuple(key, value, 3, float)
+
+
+def _from_timm(cfg: dict[str, Any], patch_size: int) -> ClassicViTImageProcessor:
+    """timm's evaluation transform from a ``pretrained_cfg`` (timm's ``resolve_data_config`` defaults
+    where a key is missing: 224 px, bicubic, crop_pct 0.875, ImageNet's mean and std, centre mode)."""
+    input_size = cfg.get("input_size") or (3, 224, 224)
+    if not isinstance(input_size, (list, tuple)) or len(input_size) != 3:
+        raise ValueError(f"input_size {input_size!r} is not (channels, height, width)")
+    height, width = int(input_size[1]), int(input_size[2])
+    interpolation = cfg.get("interpolation") or "bicubic"
+    if interpolation not in TIMM_INTERPOLATION:
+        raise ValueError(f"interpolation {interpolation!r} is not one of {', '.join(TIMM_INTERPOLATION)}")
+    crop_pct = float(cfg.get("crop_pct") or 0.875)
+    crop_mode = cfg.get("crop_mode") or "center"
+    scaled = (math.floor(height / crop_pct), math.floor(width / crop_pct))
+    fields: dict[str, Any] = {
+        "rule": "timm",
+        "patch_size": patch_size,
+        "resample": TIMM_INTERPOLATION[interpolation],
+        "crop_size": (height, width),
+        "crop_offset": "round",
+        "image_mean": _channels("mean", cfg.get("mean") or IMAGENET_MEAN),
+        "image_std": _channels("std", cfg.get("std") or IMAGENET_STD),
+    }
+    if crop_mode == "squash":  # both sides to the scaled size, aspect not kept
+        fields["size"] = scaled
+    elif crop_mode == "center":
+        if scaled[0] != scaled[1]:
+            raise ValueError(f"crop_mode 'center' with a non-square input_size {input_size!r} is not supported")
+        fields.update(size=None, shortest_edge=scaled[0])
+    else:
+        raise ValueError(f"crop_mode {crop_mode!r} is not supported (only 'center' and 'squash')")
+    return ClassicViTImageProcessor(**fields)
+
+
+def from_folder(folder: Path, rule: str | None = None, **overrides: Any) -> Processor:
+    """The processor of a classic-ViT / DeiT folder: its own rule (``rule`` None), or the rule
+    ``rule`` names for its weights (:func:`processor_for_config`, with the folder's own rule as
+    ``base``; a name equal to the folder's own kind gives the folder's own rule unchanged).
+    ``overrides`` replace fields last. This is the classic-ViT family's loader for
+    :func:`moonvit.media.processor_for`.
+
+    Raises:
+        CheckpointError: the folder's config or processor files cannot be read, or ``rule`` is None
+            and the folder does not say its processor (the folder named).
+        ValueError: an unknown rule name, or an invalid override.
+    """
+    if rule is not None and rule not in RULES:
+        raise ValueError(f"unknown processor rule {rule!r} for {folder}; choose one of {', '.join(RULES)}")
+    config, _ = read_config(folder)
+    if not isinstance(config, ClassicViTConfig):
+        raise CheckpointError(f"{folder} is not a classic ViT / DeiT checkpoint")
+    own = own_rule(folder, config)
+    if rule is None:
+        if own is None:
+            raise CheckpointError(
+                f"{folder}: cannot tell the checkpoint's processor: it has no {CONFIG_NAME} (transformers' "
+                "ViTImageProcessor / DeiTImageProcessor) and its config.json has no pretrained_cfg (timm's); choose a "
+                f"rule by name: {', '.join(RULES)}"
+            )
+        return _replace(own[1], overrides, folder)
+    if own is not None and own[0] == rule:
+        return _replace(own[1], overrides, folder)
+    return processor_for_config(config, rule, base=None if own is None else own[1], **overrides)
+
+
+def _replace(processor: Processor, overrides: dict[str, Any], folder: Path) -> Processor:
+    if not overrides:
+        return processor
+    try:
+        return dataclasses.replace(processor, **overrides)
+    except TypeError as error:  # an unknown field
+        raise ValueError(f"{folder}: {type(processor).__name__} has no such setting: {error}") from error
+
+
+register_processor_loader("classic-vit", from_folder)
