@@ -13,9 +13,18 @@ from .. import Family, register_family
 from . import formats
 from .config import PRESETS, ClassicViTConfig, classic_vit_config
 from .model import ClassicViT
-from .processor import RULES, ClassicViTImageProcessor, NativeViTImageProcessor, processor_for_config  # noqa: F401
+from .processor import RULES, ClassicViTImageProcessor, NativeViTImageProcessor, processor_for_config
 
-__all__ = ["PRESETS", "ClassicViT", "ClassicViTConfig", "classic_vit_config"]
+__all__ = [
+    "PRESETS",
+    "RULES",
+    "ClassicViT",
+    "ClassicViTConfig",
+    "ClassicViTImageProcessor",
+    "NativeViTImageProcessor",
+    "classic_vit_config",
+    "processor_for_config",
+]
 
 register_family(
     Family(
