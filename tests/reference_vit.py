@@ -1,7 +1,7 @@
 """A plain, per-image, unpacked ViT / DeiT as timm's ``VisionTransformer`` runs it with ``dynamic_img_size``.
 
-Written from timm's description, for the parity tests of the classic-ViT tower (timm cannot be
-installed beside this package's pins):
+Written from timm's description, for the parity tests of the classic-ViT tower (timm is not a
+dependency of this package):
 
 - the patch embedding is a Conv2d (kernel = stride = patch) over the whole image;
 - the prefix tokens (``cls_token``, then DeiT's ``dist_token``) are concatenated before the patches
