@@ -13,6 +13,7 @@ the resampling's taps. A random table shows noise.
 from __future__ import annotations
 
 import argparse
+import math
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from moonvit import MoonViT
 from moonvit.cli import ArgumentParser, add_checkpoint_argument, exit_on, output_file, positive_int
 
-__all__ = ["position_similarity", "resampled_table", "save_position_similarity"]
+__all__ = ["grid_table", "position_similarity", "resampled_table", "save_position_similarity", "save_table_similarity"]
 
 
 def resampled_table(encoder: MoonViT, height: int, width: int) -> torch.Tensor:
@@ -64,6 +65,57 @@ def save_position_similarity(table: torch.Tensor, path: Path, title: str, stride
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=DPI)
     plt.close(figure)
+
+
+def grid_table(table: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
+    """A position table as (H, W, D) float32, from (H, W, D) or from (H * W, D) rows in raster order.
+
+    ``grid`` (H, W) says how the rows of a (H * W, D) table lie; without it they must fill a square
+    (a classic ViT's 1D table: its patch rows, without the prefix tokens' rows)."""
+    if not isinstance(table, torch.Tensor) or not table.is_floating_point():
+        raise TypeError(f"the position table must be a floating tensor, got {getattr(table, 'dtype', type(table))}")
+    table = table.detach().float().cpu()
+    if table.ndim == 3:
+        if grid is not None and tuple(grid) != tuple(table.shape[:2]):
+            raise ValueError(
+                f"a {tuple(table.shape)} table lies on a {table.shape[0]}x{table.shape[1]} grid, not {grid}"
+            )
+        return table
+    if table.ndim != 2:
+        raise ValueError(f"the position table must be (G*G, D) or (H, W, D), got shape {tuple(table.shape)}")
+    count = table.shape[0]
+    if grid is None:
+        side = math.isqrt(count)
+        if side * side != count:
+            raise ValueError(
+                f"a (N, D) table of {count} rows is not a square grid; give its grid (H, W), or drop the "
+                "prefix tokens' rows (CLS, distillation) first"
+            )
+        grid = (side, side)
+    rows, cols = grid
+    if rows * cols != count:
+        raise ValueError(f"a table of {count} rows does not fill a {rows}x{cols} grid")
+    return table.reshape(rows, cols, -1)
+
+
+def save_table_similarity(
+    table: torch.Tensor, path: str | Path, title: str, grid: tuple[int, int] | None = None
+) -> Path:
+    """Write the ViT paper's position-similarity figure of a table as a PNG: one small map per
+    position (H x W maps), each the cosine similarity of that position's row to every row.
+
+    Args:
+        table: (H * W, D) rows in raster order (a 1D table's patch rows) or (H, W, D) (a 2D table);
+            any floating dtype, any device.
+        path: the PNG to write (its folder is created).
+        title: the picture's title (wrapped to the picture's width).
+        grid: (H, W) of a (H * W, D) table that is not square.
+
+    Returns the path written.
+    """
+    path = Path(path)
+    save_position_similarity(grid_table(table, grid), path, title)
+    return path
 
 
 DPI = 80
