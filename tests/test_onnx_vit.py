@@ -266,6 +266,22 @@ def test_graphs_carry_their_config(vit_export, deit_export):
         assert outputs["last_hidden_state"].shape == (sum(h * w for h, w in PACK_B), config.hidden_size)
 
 
+def test_a_gap_tower_exports(tmp_path):
+    """A tower without prefix tokens: no prefix_tokens output, pooled the mean of each item's patch rows.
+    (Against the exported forward in PyTorch: the eager tower cannot return a GAP tower's outputs.)"""
+    model = tower("gap", seed=3)
+    sess = session(export_onnx(model, tmp_path / "gap.onnx"))
+    assert [o.name for o in sess.get_outputs()] == ["last_hidden_state", "pooled"]
+    feeds = onnx_inputs(model.config, pixels_for(PACK_B, seed=7), PACK_B)
+    last, pooled = sess.run(None, feeds)
+    with torch.no_grad():
+        expected_last, _ = OnnxClassicViT(model).eval()(**{k: torch.from_numpy(v) for k, v in feeds.items()})
+    np.testing.assert_allclose(last, expected_last.numpy(), rtol=0, atol=1e-4 * float(expected_last.abs().max()))
+    sizes = [h * w for h, w in PACK_B]
+    means = np.stack([rows.mean(0) for rows in np.split(last.astype(np.float64), np.cumsum(sizes)[:-1])])
+    np.testing.assert_allclose(pooled, means, rtol=0, atol=1e-6 * np.abs(means).max())
+
+
 def test_refusals(tmp_path, capsys):
     model = tower("cls head pooler")
     with pytest.raises(ValueError, match="has no projector"):

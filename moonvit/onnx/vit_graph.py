@@ -95,6 +95,12 @@ class OnnxClassicViT(nn.Module):
         tower, config = self.tower, self.tower.config
         count = config.num_prefix_tokens
         items = attention_rows.shape[0]
+        if count == 0:  # a GAP tower: every row is a patch row
+            pooled = item_means(tokens, attention_rows)
+            named = {"last_hidden_state": tokens, "pooled": pooled}
+            if tower.head is not None:
+                named["logits"] = tower.head(pooled)
+            return tuple(named[name] for name in vit_output_names(config))
         patches = tokens[items * count :]
         prefix = tokens[: items * count].unflatten(0, (items, count))
         pooled = prefix[:, 0] if config.pool == "token" else item_means(tokens, attention_rows[:, count:])
