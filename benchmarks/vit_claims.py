@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import sys
 import tempfile
@@ -91,7 +92,7 @@ class Budget:
     mlp: int = 512
     patch: int = 4
     image: int = 28
-    steps: int = 2000
+    steps: int = 800
     batch_size: int = 128
     lr: float = 1e-3
     weight_decay: float = 0.05
@@ -503,6 +504,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
     log(f"host: {host}; {threads} threads; torch {torch.__version__}")
     log(f"data: {len(train):,} train, {len(test):,} test; pixel mean {mean:.4f}, std {std:.4f}; out: {out}")
 
+    load_before = os.getloadavg()  # the machine may be shared: what else ran is part of the wall time
     start = time.perf_counter()
     rows = []
     for name in args.towers:
@@ -510,6 +512,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
         log(f"{name}: test top-1 {row['test_top1']:.4f} in {row['seconds'] / 60:.1f} min")
         rows.append(row)
     total = time.perf_counter() - start
+    load = f"load average (1, 5, 15 min) {_loads(load_before)} before, {_loads(os.getloadavg())} after"
 
     pictures = {}
     for row in rows:
@@ -523,7 +526,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
         f"host: {host}; {threads} threads; torch {torch.__version__}",
         "",
         *table_lines(rows, budget, len(train), len(test)),
-        f"Wall time of the {len(rows)} trainings and scorings: {total / 60:.1f} min.",
+        f"Wall time of the {len(rows)} trainings and scorings: {total / 60:.1f} min; {load}.",
     ]
     for row in rows:
         by_distance = ", ".join(f"{v:.3f}" for v in row["locality"]["by_distance"])
@@ -541,6 +544,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
         "test_images": len(test),
         "pixel_mean_std": [mean, std],
         "minutes": total / 60,
+        "load": load,
         "towers": [{k: v for k, v in row.items() if k != "table"} for row in rows],
         "pictures": pictures,
     }
@@ -548,6 +552,10 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
     (out / "results.md").write_text(f"```\n{command}\n```\n\n" + "\n".join(lines) + "\n")
     log(f"wrote {out / 'results.md'}, {out / 'results.json'}, the towers and the pictures")
     return results
+
+
+def _loads(loads: Sequence[float]) -> str:
+    return " / ".join(f"{v:.1f}" for v in loads)
 
 
 if __name__ == "__main__":
