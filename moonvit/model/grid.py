@@ -237,11 +237,13 @@ def check_grid_rows(shape: tuple[int, ...], rows: list, config: GridGeometry) ->
                 + (
                     f" (its temporal table has {config.init_pos_emb_time} rows; split longer clips into chunks)"
                     if config.init_pos_emb_time
-                    else " (Kimi-VL's MoonViT has no temporal embedding: use a Kimi-K2.5 / K2.6 tower for clips)"
+                    else " (an image-only tower has no temporal embedding: for clips, use a Kimi-K2.5 / K2.6 tower)"
                 )
             )
         if h > config.max_grid_side or w > config.max_grid_side:
-            raise ValueError(f"{name} exceeds the {config.max_grid_side} patches per side of the RoPE table")
+            raise ValueError(
+                f"{name} exceeds the {config.max_grid_side} patches per side this tower takes (max_grid_side)"
+            )
         if h % kh or w % kw:
             raise ValueError(
                 f"{name} is not divisible by the {kh}x{kw} patch merger "

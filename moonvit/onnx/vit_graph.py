@@ -18,14 +18,11 @@ arithmetic, from the eager tower, so that one graph with symbolic sizes serves e
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 import torch.nn as nn
 
 from ..families.vit.config import ClassicViTConfig
 from ..families.vit.model import ClassicViT
-from ..model.grid import PackedGrid
 from .graph import padded_attention
 
 
@@ -74,11 +71,10 @@ class OnnxClassicViT(nn.Module):
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return padded_attention(q, k, v, attention_rows, slots)
 
-        # The tower's own blocks. Their grid argument is read only by training's drop path, and the
-        # graph is exported in eval mode.
-        no_grid = cast(PackedGrid, None)
+        # The tower's own blocks (their token grid is read only by training's drop path; the graph is
+        # exported in eval mode).
         for block in tower.blocks:
-            tokens = block(tokens, attend, no_grid)
+            tokens = block(tokens, attend)
         tokens = tower.norm(tokens)
         return self.outputs(tokens, attention_rows)
 

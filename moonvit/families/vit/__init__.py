@@ -29,6 +29,8 @@ __all__ = [
 register_family(
     Family(
         name="classic-vit",
+        description="classic ViT / DeiT: transformers' vit / deit folders, timm's ViT and DeiT architectures, "
+        "this package's model_type classic_vit",
         config_type=ClassicViTConfig,
         claims=formats.claims,
         read=formats.read,

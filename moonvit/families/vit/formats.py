@@ -60,6 +60,8 @@ _TIMM_UNBUILT = {
 
 def claims(values: dict[str, Any]) -> bool:
     """Whether a ``config.json`` is a classic ViT's or DeiT's (transformers', timm's or this package's own)."""
+    if "vision_config" in values:  # a VLM's config.json whose tower is another family's
+        return False
     model_type = values.get("model_type")
     if model_type in ("vit", "deit", "classic_vit"):
         return True

@@ -132,8 +132,11 @@ class ViTBlock(nn.Module):
         self.norm2 = nn.LayerNorm(dim, eps=eps)
         self.mlp = Mlp(dim, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, attend: BoundAttention, tokens: PackedGrid) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attend: BoundAttention, tokens: PackedGrid | None = None) -> torch.Tensor:
+        """(T, D) token rows; ``tokens``: the token sequence's grid, for per-item stochastic depth in training."""
         if self.training and self.drop_path > 0:
+            if tokens is None:
+                raise ValueError("stochastic depth draws per image: pass the token grid")
             x = x + drop_path_per_item(self.attn(self.norm1(x), attend), tokens, self.drop_path)
             return x + drop_path_per_item(self.mlp(self.norm2(x)), tokens, self.drop_path)
         x = self.attn(self.norm1(x), attend, residual=x)
@@ -398,7 +401,7 @@ class ClassicViT(nn.Module):
     ) -> MoonViTOutput:
         count, items = self.config.num_prefix_tokens, grid.num_images
         patches = tokens if count == 0 else tokens.index_select(0, pack.patch_rows)
-        prefix = tokens.index_select(0, pack.prefix_rows).view(items, count, -1)
+        prefix = tokens.index_select(0, pack.prefix_rows).view(items, count, tokens.shape[-1])
         if self.config.pool == "token":
             pooled = prefix[:, 0]
         else:
