@@ -2,6 +2,12 @@
 
 python -m moonvit                       # built-in sample images, random `small` preset
 python -m moonvit --checkpoint DIR --images a.jpg b.png --dtype bf16
+
+A classic ViT / DeiT folder (transformers', timm's or this package's) runs the same way, at native
+resolution: each patch is one token (``merged.safetensors`` holds (n, 1, D) per image), and its
+CLS row and prefix tokens are written beside them (``pooled.safetensors``,
+``prefix_tokens.safetensors``; ``logits.safetensors`` where the folder has a head). Such a tower
+takes images only.
 """
 
 from __future__ import annotations
@@ -30,12 +36,11 @@ from .cli import (
     output_dir,
     torch_dtype,
 )
-from .encode import iter_encode_images
+from .encode import checkpoint_processors, iter_encode_images
 from .files import atomic_path, files_below, save_safetensors_atomic, skipped_line, write_text_atomic
 from .media.image import IMAGE_EXTENSIONS, ImageInput, ImageLoadError, image_size
 from .media.presets import describe_processors, preset_processors
-from .media.processor import MoonViTImageProcessor
-from .media.video import VIDEO_EXTENSIONS, MoonViTVideoProcessor, VideoFrames, VideoSource, probe_video
+from .media.video import VIDEO_EXTENSIONS, VideoFrames, VideoSource, probe_video
 from .model.attention import resolve_attn_implementation
 from .model.config import PRESETS
 from .model.encoder import MoonViT
@@ -180,8 +185,9 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> None:
         encoder = MoonViT.from_pretrained(
             args.checkpoint, dtype=dtype, device=args.device, attn_implementation=args.attn
         )
-        processor = MoonViTImageProcessor.from_pretrained(args.checkpoint, **overrides)
-        video_processor = MoonViTVideoProcessor.from_pretrained(args.checkpoint)  # its rate and budgets (K3: 8 fps)
+        # its own processors (K3: 8 fps, its budgets); a classic ViT's: its patch size, no merger
+        processors = checkpoint_processors(args.checkpoint, encoder.config, **overrides)
+        processor, video_processor = processors.image, processors.video
         source, family = str(args.checkpoint), None
     else:
         torch.manual_seed(args.seed)
@@ -245,6 +251,10 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> None:
             "num_tokens": feats.shape[0],
             "rescaled": result.rescaled,
         }
+        if result.prefix_tokens is not None:  # a classic ViT / DeiT: its CLS (and distillation) rows
+            entry["prefix_tokens"] = result.prefix_tokens.shape[0]
+        if result.logits is not None:
+            entry["predicted_class"] = int(result.logits.argmax())
         if result.chunk is not None:
             entry.update(video=key, chunk=result.chunk, frames=result.frames, timestamp=result.timestamp)
         summary.append(entry)
@@ -272,12 +282,30 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> None:
         {s["image"]: r.tokens.float() for s, r in zip(summary, results)}, args.out / "merged.safetensors"
     )
     written.append(args.out / "merged.safetensors")
+    per_image = {  # the outputs only a tower with prefix tokens gives (the classic ViT / DeiT), one row per image
+        "prefix_tokens": [r.prefix_tokens for r in results],
+        "pooled": [r.pooled for r in results],
+        "logits": [r.logits for r in results],
+    }
+    extra = []
+    for name, rows in per_image.items():
+        given = [row for row in rows if row is not None]
+        if given and len(given) == len(rows):
+            file = args.out / f"{name}.safetensors"
+            save_safetensors_atomic({s["image"]: row.float() for s, row in zip(summary, given)}, file)
+            written.append(file)
+            extra.append(file.name)
     write_text_atomic(
         args.out / "summary.json",
         json.dumps({"source": source, "dtype": args.dtype, "images": summary}, indent=2) + "\n",
     )
     written.append(args.out / "summary.json")
-    print(f"merged tokens (n, 4, D) per image written to {args.out / 'merged.safetensors'}")
+    per_token = encoder.config.tokens_per_merge
+    print(f"merged tokens (n, {per_token}, D) per image written to {args.out / 'merged.safetensors'}")
+    if extra:
+        shapes = {"prefix_tokens": "(n_prefix, D)", "pooled": "(D,)", "logits": "(classes,)"}
+        what = ", ".join(f"{Path(name).stem} {shapes[Path(name).stem]}" for name in extra)
+        print(f"per image also {what}, in {', '.join(extra)}")
 
 
 if __name__ == "__main__":

@@ -13,18 +13,20 @@ import os
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from .media.image import ImageChangedError, image_sources
 from .media.packing import DEFAULT_MAX_PATCHES_PER_PACK, MediaInput, Pack, PackItem, pack_images
-from .media.processor import MoonViTImageProcessor
+from .media.processor import ImageProcessor, MoonViTImageProcessor
+from .media.selection import processor_for
 from .media.video import MoonViTVideoProcessor, is_video
 from .model.encoder import MoonViTOutput
 from .model.grid import GridInput, PackedGrid, tokens_per_image
-from .model.interface import VisionEncoder
+from .model.interface import EncoderConfig, VisionEncoder
 from .prefetch import prefetch
+from .weights.storage import CheckpointError
 
 __all__ = [
     "EncodedImage",
@@ -33,6 +35,9 @@ __all__ = [
     "encode_images",
     "encode_pack",
     "iter_encode_images",
+    "CheckpointProcessors",
+    "checkpoint_processors",
+    "class_token_features",
     "pool_features",
     "process_pack",
 ]
@@ -44,14 +49,20 @@ class EncodedImage:
 
     Attributes:
         index: position in the input (a video's chunks share it).
-        tokens: (rows * cols / 4, 4, D) merged tokens (a chunk's frames averaged), in the
-            encoder's dtype, on the chosen output device.
+        tokens: (rows * cols / (kh * kw), kh * kw, D) merged tokens (a chunk's frames averaged),
+            in the encoder's dtype, on the chosen output device: (n / 4, 4, D) for MoonViT's 2x2
+            merger, (rows * cols, 1, D) for the classic ViT (each patch one token).
         grid_hw: (rows, cols) patch grid the image (each frame) was encoded at.
         rescaled: whether it was scaled below the processor's size to fit the pack budget.
         chunk: the chunk's position in its video, None for an image.
         frames: t, the chunk's frames (1 for an image).
         timestamp: seconds of the chunk's first frame, None for an image.
         frame_indices: the source frames the chunk took, None for an image.
+        prefix_tokens: (n_prefix, D) the image's prefix rows after the final norm, CLS first (then
+            DeiT's distillation token), for a tower with prefix tokens; None for MoonViT.
+        pooled: (D,) the tower's one vector per image (the CLS row; a GAP ViT: the mean of its
+            patch rows); None for MoonViT.
+        logits: (classes,) the head's logits where the tower has a head, else None.
     """
 
     index: int
@@ -62,6 +73,9 @@ class EncodedImage:
     frames: int = 1
     timestamp: float | None = None
     frame_indices: tuple[int, ...] | None = None
+    prefix_tokens: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
 
     @property
     def grid_thw(self) -> tuple[int, int, int]:
@@ -70,7 +84,7 @@ class EncodedImage:
 
 
 class EncodedImages(list[torch.Tensor]):
-    """:func:`encode_images`' result: a list of one (n_i, 4, D) tensor of merged tokens per image
+    """:func:`encode_images`' result: a list of one (n_i, kh * kw, D) tensor of merged tokens per image
     and per video chunk, in input order, with where each entry came from alongside.
 
     A video gives one entry per chunk, so entries map back to inputs through ``indices``.
@@ -84,6 +98,8 @@ class EncodedImages(list[torch.Tensor]):
             budget (its tokens are then fewer than the processor alone would give).
         chunks, timestamps, frame_indices: each entry's chunk position in its video, the seconds
             of its first frame and the source frames it took; None for an image.
+        prefix_tokens, pooled, logits: each entry's (n_prefix, D), (D,) and (classes,) from a tower
+            with prefix tokens (the classic ViT / DeiT; see :class:`EncodedImage`); None for MoonViT.
     """
 
     def __init__(self, results: Iterable[EncodedImage] = ()) -> None:
@@ -96,6 +112,9 @@ class EncodedImages(list[torch.Tensor]):
         self.chunks: list[int | None] = [result.chunk for result in self.results]
         self.timestamps: list[float | None] = [result.timestamp for result in self.results]
         self.frame_indices: list[tuple[int, ...] | None] = [result.frame_indices for result in self.results]
+        self.prefix_tokens: list[torch.Tensor | None] = [result.prefix_tokens for result in self.results]
+        self.pooled: list[torch.Tensor | None] = [result.pooled for result in self.results]
+        self.logits: list[torch.Tensor | None] = [result.logits for result in self.results]
 
 
 @dataclass(frozen=True)
@@ -124,13 +143,13 @@ class EncodedPack:
 
     @property
     def merged(self) -> torch.Tensor:
-        """(S / 4, 4, D) the merged tokens of all encoded items."""
+        """(S / (kh * kw), kh * kw, D) the merged tokens of all encoded items ((S, 1, D) for the classic ViT)."""
         if self.output is None or self.output.merged is None:
             raise ValueError("this pack has no merged tokens (no image decoded, or patches were dropped)")
         return self.output.merged
 
     def split_tokens(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Split a per-merged-token tensor (S / 4, ...) (``merged``, projected tokens) per item."""
+        """Split a per-merged-token tensor (S / (kh * kw), ...) (``merged``, projected tokens) per item."""
         return tokens.split(self.tokens_per_item)
 
 
@@ -140,7 +159,7 @@ the decoded items, failures by item key)."""
 
 
 def process_pack(
-    processor: MoonViTImageProcessor,
+    processor: ImageProcessor,
     pack: Pack,
     *,
     skip_errors: bool = False,
@@ -189,7 +208,7 @@ def process_pack(
 
 
 def processed_packs(
-    processor: MoonViTImageProcessor,
+    processor: ImageProcessor,
     packs: Iterable[Pack],
     *,
     workers: int = 0,
@@ -208,7 +227,7 @@ def processed_packs(
 
 def encode_pack(
     encoder: VisionEncoder,
-    processor: MoonViTImageProcessor,
+    processor: ImageProcessor,
     pack: Pack,
     *,
     skip_errors: bool = False,
@@ -245,7 +264,7 @@ def encode_processed(
 
 def iter_encode_images(
     encoder: VisionEncoder,
-    processor: MoonViTImageProcessor,
+    processor: ImageProcessor,
     images: MediaInput | Iterable[MediaInput],
     *,
     max_patches_per_pack: int = DEFAULT_MAX_PATCHES_PER_PACK,
@@ -285,15 +304,24 @@ def iter_encode_images(
     packs = pack_images(checked(), processor, max_patches_per_pack, videos)
     for _, processed in processed_packs(processor, packs, workers=workers, video_processor=videos):
         encoded = encode_processed(encoder, processed)
-        assert encoded.grid is not None  # without skip_errors every item decodes or raises
+        assert encoded.grid is not None and encoded.output is not None  # without skip_errors: decoded or raised
         tokens = encoded.split_tokens(encoded.merged.to(output_device))
-        for item, (_, h, w), item_tokens in zip(encoded.items, encoded.grid.grid_thws.tolist(), tokens):
+        # the per-item outputs of a tower with prefix tokens: one row each per item, in pack order
+        output = encoded.output
+        prefix, pooled, logits = (
+            None if value is None else value.to(output_device)
+            for value in (output.prefix_tokens, output.pooled, output.logits)
+        )
+        for i, (item, (_, h, w), item_tokens) in enumerate(zip(encoded.items, encoded.grid.grid_thws.tolist(), tokens)):
             chunk = item.chunk
             yield EncodedImage(
                 item.index, item_tokens, (h, w), item.rescaled,
                 chunk=None if chunk is None else chunk.plan.chunk, frames=item.frames,
                 timestamp=None if chunk is None else chunk.plan.timestamp,
                 frame_indices=None if chunk is None else tuple(chunk.plan.frame_indices),
+                prefix_tokens=None if prefix is None else prefix[i],
+                pooled=None if pooled is None else pooled[i],
+                logits=None if logits is None else logits[i],
             )  # fmt: skip
 
 
@@ -303,7 +331,7 @@ def _name(source: object) -> str:
 
 def encode_images(
     encoder: VisionEncoder,
-    processor: MoonViTImageProcessor,
+    processor: ImageProcessor,
     images: MediaInput | Iterable[MediaInput],
     *,
     max_patches_per_pack: int = DEFAULT_MAX_PATCHES_PER_PACK,
@@ -348,12 +376,30 @@ def segment_mean(rows: torch.Tensor, counts: Sequence[int] | torch.Tensor) -> to
     return sums / counts.unsqueeze(1)
 
 
+def class_token_features(output: MoonViTOutput) -> torch.Tensor:
+    """Each item's CLS row after the final norm: (N, D) float32, from a tower with a class token
+    (``output.prefix_tokens[:, 0]``; the classic ViT's ``pooled`` when it pools by its token).
+
+    Raises:
+        ValueError: the output has no CLS row (MoonViT, or a GAP ViT without a class token).
+    """
+    prefix = output.prefix_tokens
+    if prefix is None or prefix.shape[1] == 0:
+        raise ValueError(
+            "this encoder's outputs have no CLS token (a MoonViT tower, or a classic ViT pooled by the mean of "
+            "its patches): use the mean of its patch tokens instead"
+        )
+    return prefix[:, 0].float()
+
+
 def pool_features(
     features: MoonViTOutput | torch.Tensor,
     grid: PackedGrid | GridInput,
     tokens: Literal["patches", "merged"] = "patches",
 ) -> torch.Tensor:
-    """Each item's mean token, the usual global-average-pooled image feature (MoonViT has no CLS token).
+    """Each item's mean token, the usual global-average-pooled image feature (MoonViT has no CLS
+    token; for a classic ViT's see :func:`class_token_features`: ``last_hidden_state`` holds its patch
+    rows alone, so this is the mean of its patches, without the CLS row).
 
     Args:
         features: an encoder output, or a per-patch tensor (L, D) such as one of its hidden states.
@@ -361,10 +407,11 @@ def pool_features(
             ``grid_hws`` (N, 2) / ``grid_thws`` (N, 3).
         tokens: ``"patches"``: the mean of ``last_hidden_state`` over each item's patches (all
             frames of a clip), (N, D); ``"merged"``: the mean of its merged groups, each
-            flattened to 4D in the merger's order, (N, 4D) (only for an output).
+            flattened to kh * kw * D in the merger's order, (N, 4D) for MoonViT (only for an
+            output; for the classic ViT, (N, D), the same as ``"patches"``).
 
     Returns:
-        (N, D) or (N, 4D) float32.
+        (N, D) or (N, kh * kw * D) float32.
     """
     thws = grid.grid_thws if isinstance(grid, PackedGrid) else torch.as_tensor(grid)
     if tokens == "patches":
@@ -379,3 +426,58 @@ def pool_features(
         raise ValueError("this output has no merged tokens (patches were dropped)")
     # Only the kernel's area matters for the count: (kh * kw, 1) stands for (kh, kw).
     return segment_mean(features.merged, tokens_per_image(thws, (features.merged.shape[1], 1)))
+
+
+# ---- the processors of a checkpoint ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointProcessors:
+    """A checkpoint's processors.
+
+    Attributes:
+        image: the image processor.
+        video: the video processor (for an image-only tower: what videos would get, never used).
+    """
+
+    image: ImageProcessor
+    video: MoonViTVideoProcessor
+
+
+def checkpoint_processors(
+    checkpoint: str | os.PathLike, config: EncoderConfig, *, rule: str | None = None, **image_overrides: Any
+) -> CheckpointProcessors:
+    """The image and video processors the commands run a checkpoint folder (or hub id) with, its
+    tower having ``config``.
+
+    A MoonViT folder brings its own (:meth:`MoonViTImageProcessor.from_pretrained`,
+    :meth:`MoonViTVideoProcessor.from_pretrained`). A classic ViT / DeiT folder is read at native
+    resolution by default: ``rule`` None is the ``native`` rule
+    (:class:`~moonvit.families.vit.processor.NativeViTImageProcessor`: the tower's patch size, each
+    image resized to whole patches within a patch budget, no merger, the folder's own
+    normalisation); ``rule`` names another of its rules (``vit``, ``deit``: the checkpoint's fixed
+    resize, see :func:`moonvit.media.processor_for`). Its towers take images only: the video
+    processor only says so.
+
+    ``image_overrides`` replace image settings (``side_limit_mode``, say, for MoonViT).
+
+    Raises:
+        CheckpointError: the folder's processor files cannot be read, or a setting its rule does not
+            have (a classic ViT's rules have no ``side_limit_mode``: they cap each side).
+    """
+    if config.model_type != "classic_vit":
+        if rule is not None:
+            raise CheckpointError(f"{checkpoint} holds a MoonViT tower, whose processor comes from its own files")
+        own: ImageProcessor = MoonViTImageProcessor.from_pretrained(checkpoint, **image_overrides)
+        return CheckpointProcessors(own, MoonViTVideoProcessor.from_pretrained(checkpoint))
+    if "side_limit_mode" in image_overrides:
+        raise CheckpointError(
+            f"--side-limit-mode {image_overrides['side_limit_mode']}: a setting of MoonViT's processors; the classic "
+            f"ViT / DeiT tower of {checkpoint} is read by its native rule, which caps each side at its position "
+            "table's limit by itself"
+        )
+    try:
+        image = processor_for(checkpoint, rule or "native", **image_overrides)
+    except ValueError as error:  # a rule or setting the family does not have
+        raise CheckpointError(str(error)) from error
+    return CheckpointProcessors(image, MoonViTVideoProcessor.for_images(image))

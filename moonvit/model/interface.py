@@ -1,23 +1,62 @@
-"""What the rest of the package needs from an encoder, as a structural type.
+"""What the rest of the package needs from an encoder, as structural types.
 
-``moonvit_eval/`` and ``moonvit_projector/export/`` are typed against :class:`VisionEncoder`,
-not the concrete :class:`~moonvit.model.encoder.MoonViT`, so a wrapped,
-compiled or future encoder (another checkpoint family) serves them as long as it
-has these members.
+``moonvit_eval/``, ``moonvit_projector/export/`` and :mod:`moonvit.encode` are typed against
+:class:`VisionEncoder` and its :class:`EncoderConfig`, not a concrete tower, so every tower
+family serves them: :class:`~moonvit.model.encoder.MoonViT` (Kimi-VL, K2.5 / K2.6, K3,
+LocateAnything) and the classic ViT / DeiT (:class:`~moonvit.families.vit.ClassicViT`), as well
+as a wrapped or compiled encoder that has these members.
+
+What differs between the families is read through the config and the output, never the class:
+
+- ``config.merge_kernel_size``: (2, 2) for MoonViT (``merged`` is (S / 4, 4, D)), (1, 1) for the
+  classic ViT (``merged`` is (L, 1, D): each patch one token);
+- :func:`prefix_token_count`: the prefix tokens each item carries (0 for MoonViT, 1 for a ViT's
+  CLS token, 2 for DeiT's CLS and distillation tokens); a tower with them fills the output's
+  ``prefix_tokens`` (N, n_prefix, D) and ``pooled`` (N, D), and ``logits`` (N, classes) where it
+  has a head.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from .config import MoonViTConfig
-from .grid import GridInput, PackedGrid
+from .grid import GridGeometry, GridInput, PackedGrid
 
 if TYPE_CHECKING:
     from .encoder import MoonViTOutput
+
+__all__ = ["EncoderConfig", "VisionEncoder", "has_class_token", "prefix_token_count", "tower_name"]
+
+
+class EncoderConfig(GridGeometry, Protocol):
+    """What the commands read of a tower's config (:class:`~moonvit.model.config.MoonViTConfig` or
+    :class:`~moonvit.families.vit.config.ClassicViTConfig`), besides the grid's geometry.
+
+    Members:
+        patch_size, num_channels, merge_kernel_size, max_frames, ...: the grid's (see :class:`GridGeometry`).
+        hidden_size: D, the width of every output row.
+        num_hidden_layers: the blocks (``hidden_state_indices`` counts 0 .. num_hidden_layers).
+        tokens_per_merge: kh * kw, the patches of one merged token (4 for MoonViT, 1 for the classic ViT).
+        attn_implementation: the attention backend asked for (``auto`` or a registered name).
+        model_type: the config's ``model_type`` (``classic_vit`` for the classic ViT / DeiT).
+        to_dict(): the config as ``config.json`` holds it (what run records and cache keys hash).
+    """
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_hidden_layers(self) -> int: ...
+    @property
+    def tokens_per_merge(self) -> int: ...
+    @property
+    def attn_implementation(self) -> str: ...
+    @property
+    def model_type(self) -> str: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
 
 
 @runtime_checkable
@@ -25,15 +64,19 @@ class VisionEncoder(Protocol):
     """A packed native-resolution encoder.
 
     Members:
-        config: patch size, merge kernel, width and depth (a :class:`MoonViTConfig`).
+        config: its :class:`EncoderConfig` (patch size, merge kernel, width and depth).
         dtype, device: where its weights live.
         prepare_grid(grid_thws): the pack's metadata (see :class:`PackedGrid`).
         __call__(pixel_values, grid_thws=None, *, grid=None, output_hidden_states=False,
             hidden_state_indices=None): a :class:`MoonViTOutput` with ``last_hidden_state``
-            (L, D) and ``merged`` (L / 4, 4, D).
+            (L, D), the patch rows aligned with ``pixel_values`` (L, C, p, p), and ``merged``
+            (L / (kh * kw), kh * kw, D); towers with prefix tokens (see :func:`prefix_token_count`)
+            also give ``prefix_tokens`` (N, n_prefix, D), ``pooled`` (N, D) and, with a head,
+            ``logits`` (N, classes); MoonViT leaves those None.
     """
 
-    config: MoonViTConfig
+    @property
+    def config(self) -> EncoderConfig: ...
 
     @property
     def dtype(self) -> torch.dtype: ...
@@ -52,3 +95,19 @@ class VisionEncoder(Protocol):
         output_hidden_states: bool = False,
         hidden_state_indices: Sequence[int] | None = None,
     ) -> MoonViTOutput: ...
+
+
+def prefix_token_count(config: EncoderConfig) -> int:
+    """The prefix tokens each item of a pack carries ahead of its patches: 0 for MoonViT, the classic
+    ViT's CLS token (1), DeiT's CLS and distillation tokens (2); a GAP ViT has none."""
+    return int(getattr(config, "num_prefix_tokens", 0))
+
+
+def has_class_token(config: EncoderConfig) -> bool:
+    """Whether the tower has a CLS token (``prefix_tokens[:, 0]`` of its outputs)."""
+    return bool(getattr(config, "class_token", False)) and prefix_token_count(config) > 0
+
+
+def tower_name(config: EncoderConfig) -> str:
+    """What a message calls the tower: ``classic ViT / DeiT tower`` or ``MoonViT tower``."""
+    return "classic ViT / DeiT tower" if config.model_type == "classic_vit" else "MoonViT tower"
