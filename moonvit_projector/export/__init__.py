@@ -5,8 +5,11 @@
 
 The inputs are split, in input order, into shards of ``--shard-size`` images. Shard k is written
 to ``shard-{k:06d}.safetensors``: one tensor per stored kind, the images' tokens back to back
-(``projected`` (sum n_i, llm_hidden), ``merged`` (sum n_i, 4, D)). Its manifest lines and failures
-go to ``parts/shard-{k:06d}.json``. Both files are written to a temporary name and renamed, shard
+(``projected`` (sum n_i, llm_hidden), ``merged`` (sum n_i, 4, D); a classic ViT / DeiT tower's
+``merged`` is (sum n_i, 1, D), each patch one token, and its shards also hold ``prefix_tokens``
+(images, n_prefix, D), each image's CLS (and distillation) rows, the row named by its manifest
+line's ``prefix_row`` and described by ``run.json``'s ``prefix_tokens``). Its manifest lines and
+failures go to ``parts/shard-{k:06d}.json``. Both files are written to a temporary name and renamed, shard
 first, so a shard is done exactly when its part exists: a killed run started again with the same
 arguments redoes only the shards in flight. At the end rank 0 assembles ``manifest.jsonl`` (one
 line per exported image, in input order) and ``failures.jsonl`` from the parts. ``run.json`` holds
@@ -66,7 +69,7 @@ from .cli import build_parser, export_run, main
 from .inputs import InputImage, Inputs, listing_sha256, read_inputs, scan_inputs
 from .models import Models, load_models
 from .plan import ExportItem, plan_all, plan_input, shard_ranges, split_balanced
-from .run import Progress, claim_output, describe_run, export, export_on_ray, export_rank
+from .run import Progress, claim_output, describe_run, export, export_on_ray, export_rank, prefix_description
 from .settings import ENGINES, STORES, ExportError, ExportRun
 from .shards import (
     ShardResult,
@@ -120,6 +123,7 @@ __all__ = [
     "part_path",
     "plan_all",
     "plan_input",
+    "prefix_description",
     "read_inputs",
     "scan_inputs",
     "shard_name",

@@ -13,13 +13,15 @@ The settings digest is the SHA-256 of the canonical JSON of :func:`cache_setting
 ``run.json`` that an image's tokens depend on: the cache format, the package's version, the
 weights' hash (encoder, and projector when projected tokens are stored), the encoder's and the
 projector's resolved configs, the processor's ``to_dict()``, the dtype, the stored kinds, the
-max patches per pack (an image over it is scaled down) and the compute description (threads,
-torch version, device type, CPU kernel level, the host's bf16 units and Pillow, the attention
-backend). An entry holds one tensor
-per stored kind and, as metadata, the settings digest, the content hash and the SHA-256 of its
-tensors' bytes; an entry whose metadata or bytes do not match is a miss (counted as corrupt),
-and is encoded again and rewritten. Entries are written atomically (temporary name, rename), so
-concurrent writers of the same entry are harmless.
+prefix tokens stored beside them (a classic ViT / DeiT tower's ``prefix_tokens``), the max
+patches per pack (an image over it is scaled down) and the compute description (threads, torch
+version, device type, CPU kernel level, the host's bf16 units and Pillow, the attention
+backend). An entry holds one tensor per stored kind, each (n, ...) for the image's n tokens,
+and, for such a tower, its prefix rows as ``prefix_tokens`` (1, n_prefix, D); as metadata, the
+settings digest, the content hash and the SHA-256 of its tensors' bytes; an entry whose
+metadata or bytes do not match is a miss (counted as corrupt), and is encoded again and
+rewritten. Entries are written atomically (temporary name, rename), so concurrent writers of the
+same entry are harmless.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ from safetensors import safe_open
 
 from moonvit.files import save_safetensors_atomic, write_text_atomic
 
+from ..token_folder import PREFIX_TENSOR
 from .plan import ExportItem
 
 __all__ = [
     "CACHE_FORMAT",
+    "OPTIONAL_TOKEN_SETTINGS",
     "TOKEN_SETTINGS",
     "TokenCache",
     "cache_settings",
@@ -74,6 +78,9 @@ def duplicate_sources(planned: Sequence[ExportItem]) -> dict[int, int]:
 TOKEN_SETTINGS = ("moonvit_version", "models", "processor", "dtype", "store", "compute")
 """The keys of ``run.json`` that an image's tokens depend on (beside the weights' hash and the
 pack budget); the rest (inputs, shard size, the checkpoint's path) only place them in a folder."""
+OPTIONAL_TOKEN_SETTINGS = ("prefix_tokens",)
+"""Keys of ``run.json`` that only some exports have (a classic ViT / DeiT tower's prefix tokens),
+part of the cache key where present."""
 
 
 def cache_settings(run: Mapping[str, Any]) -> dict[str, Any]:
@@ -84,6 +91,7 @@ def cache_settings(run: Mapping[str, Any]) -> dict[str, Any]:
         "weights_sha256": run["checkpoint"]["sha256"],
         "max_patches_per_pack": run["arguments"]["max_patches_per_pack"],
         **{key: run[key] for key in TOKEN_SETTINGS},
+        **{key: run[key] for key in OPTIONAL_TOKEN_SETTINGS if key in run},
     }
     return dict(json.loads(json.dumps(settings)))
 
@@ -106,8 +114,15 @@ class TokenCache:
         self.digest = hashlib.sha256(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()
         self.folder = Path(root) / self.digest
         self.kinds = tuple(self.settings["store"])
+        # a tower with prefix tokens: each entry also holds its image's (1, n_prefix, D) rows
+        self.prefix = PREFIX_TENSOR if "prefix_tokens" in self.settings else None
         self.corrupt = 0
         """Entries found damaged (or made for other settings under this digest) and so encoded again."""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The tensors of an entry: the stored kinds, and the prefix rows where the tower has them."""
+        return self.kinds if self.prefix is None else (*self.kinds, self.prefix)
 
     def path(self, sha256: str) -> Path:
         return self.folder / sha256[:2] / f"{sha256}.safetensors"
@@ -135,11 +150,13 @@ class TokenCache:
                 lengths = {name: handle.get_slice(name).get_shape()[0] for name in handle.keys()}  # noqa: SIM118
                 if tensors:
                     loaded = {name: handle.get_tensor(name) for name in lengths}
+            tokens = {length for name, length in lengths.items() if name != self.prefix}
             valid = (
                 metadata.get("settings") == self.digest
                 and metadata.get("sha256") == sha256
-                and set(lengths) == set(self.kinds)
-                and len(set(lengths.values())) == 1
+                and set(lengths) == set(self.names)
+                and len(tokens) == 1
+                and (self.prefix is None or lengths[self.prefix] == 1)
                 and (not tensors or metadata.get("tokens_sha256") == tokens_sha256(loaded))
             )
         except Exception:  # a truncated or garbled file: any error of the reader
@@ -154,12 +171,12 @@ class TokenCache:
         self.path(sha256).unlink(missing_ok=True)
 
     def save(self, sha256: str, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Store one image's tokens (each kind (n, ...)) atomically."""
+        """Store one image's tokens (each kind (n, ...), the prefix rows (1, n_prefix, D)) atomically."""
         settings_file = self.folder / "settings.json"
         if not settings_file.is_file():
             self.folder.mkdir(parents=True, exist_ok=True)
             write_text_atomic(settings_file, json.dumps(self.settings, indent=2, sort_keys=True) + "\n")
-        stored = {kind: tensors[kind].contiguous() for kind in self.kinds}
+        stored = {name: tensors[name].contiguous() for name in self.names}
         path = self.path(sha256)
         path.parent.mkdir(parents=True, exist_ok=True)
         metadata = {"settings": self.digest, "sha256": sha256, "tokens_sha256": tokens_sha256(stored)}

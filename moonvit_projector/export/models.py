@@ -1,8 +1,15 @@
-"""The export's models: the encoder, the projector when projected tokens are stored, the processors."""
+"""The export's models: the encoder, the projector when projected tokens are stored, the processors.
+
+Any registered tower exports: MoonViT (merged 2x2 groups, a projector in its folder) and the classic
+ViT / DeiT (each patch one token, no merger, its CLS and distillation rows as prefix tokens). A classic
+ViT folder holds no projector: its tokens export as ``--store merged``, or projected by a projector
+read with ``--projector-from`` that takes its width and one patch per token.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,9 +17,11 @@ from typing import Any
 
 import torch
 
-from moonvit import MoonViT, MoonViTImageProcessor, VisionEncoder
+from moonvit import ImageProcessor, MoonViT, VisionEncoder
+from moonvit.encode import checkpoint_processors
 from moonvit.media.video import MoonViTVideoProcessor
 from moonvit.model.attention import resolve_attn_implementation
+from moonvit.model.interface import prefix_token_count, tower_name
 from moonvit.weights.checkpoint import CheckpointError, update_weights_digest
 
 from ..model import MoonViTProjector
@@ -27,9 +36,15 @@ class Models:
 
     encoder: VisionEncoder
     projector: MoonViTProjector | None
-    processor: MoonViTImageProcessor
+    processor: ImageProcessor
     video_processor: MoonViTVideoProcessor
     checkpoint_sha256: str
+
+    @property
+    def prefix_tokens(self) -> int:
+        """The encoder's prefix tokens per image (CLS, then DeiT's distillation token), stored beside
+        the tokens: 0 for MoonViT."""
+        return prefix_token_count(self.encoder.config)
 
     def attention(self, device: torch.device) -> str:
         """The attention backend the encoder runs on ``device`` (``auto`` resolved: OpenVINO's where it is
@@ -60,32 +75,64 @@ def load_models(
     if "projected" in store:
         projector = _load_projector(checkpoint, projector_from, encoder)
         update_weights_digest(digest, projector, "projector.")
-    processor = MoonViTImageProcessor.from_pretrained(checkpoint, **(processor_overrides or {}))
-    video_processor = MoonViTVideoProcessor.from_pretrained(checkpoint)  # frames always resize to the side cap
+    # the folder's own processors (a classic ViT's: its patch size, no merger); frames always resize to the side cap
+    processors = checkpoint_processors(checkpoint, encoder.config, **(processor_overrides or {}))
+    processor, video_processor = processors.image, processors.video
     encoder = encoder.to(device=device, dtype=dtype).eval()
     projector = projector.to(device=device, dtype=dtype).eval() if projector is not None else None
     return Models(encoder, projector, processor, video_processor, digest.hexdigest())
 
 
-def _load_projector(checkpoint: str | Path, projector_from: str | Path | None, encoder: MoonViT) -> MoonViTProjector:
+def _load_projector(
+    checkpoint: str | Path, projector_from: str | Path | None, encoder: VisionEncoder
+) -> MoonViTProjector:
     """The projector of ``projector_from`` (or of the checkpoint), refused where it does not take the
-    encoder's merged tokens (another width or merge kernel)."""
+    encoder's merged tokens (another width or merge kernel). A classic ViT / DeiT folder holds none:
+    without ``projector_from`` that is an error that says what to do instead."""
     flag, source = ("--checkpoint", checkpoint) if projector_from is None else ("--projector-from", projector_from)
+    config = encoder.config
+    if projector_from is None and config.model_type == "classic_vit":
+        raise ExportError(
+            f"--checkpoint {checkpoint} holds a {tower_name(config)}, which comes without a projector: export its "
+            f"tokens with --store merged (one {config.hidden_size}-wide token per patch, the CLS row in "
+            f"prefix_tokens), or add --projector-from DIR_OR_HUB_ID with a projector that takes "
+            f"{config.hidden_size}-wide tokens of one patch (merge_kernel_size 1x1)"
+        )
     try:
         projector = MoonViTProjector.from_pretrained(source, device="cpu")
     except CheckpointError as error:
-        hint = (
-            "; --projector-from DIR_OR_HUB_ID reads one from another folder (use --store merged to export without "
-            "a projector)"
-            if projector_from is None
-            else ""
-        )
+        if projector_from is None:
+            hint = (
+                "; --projector-from DIR_OR_HUB_ID reads one from another folder (use --store merged to export "
+                "without a projector)"
+            )
+        elif _holds_classic_vit(source):
+            hint = " (it holds a classic ViT / DeiT tower, which comes without a projector)"
+        else:
+            hint = ""
         raise ExportError(f"{flag} {source}: {error}{hint}") from error
-    wanted = (encoder.config.hidden_size, encoder.config.merge_kernel_size)
+    wanted = (config.hidden_size, config.merge_kernel_size)
     takes = (projector.config.vision_hidden_size, projector.config.merge_kernel_size)
     if takes != wanted:
         raise ExportError(
             f"{flag} {source}: its projector takes {takes[0]}-wide patches merged {takes[1][0]}x{takes[1][1]}, "
             f"the encoder of --checkpoint {checkpoint} gives {wanted[0]}-wide ones merged {wanted[1][0]}x{wanted[1][1]}"
+            + (
+                f" (a {tower_name(config)}: no merger, each patch one token)"
+                if config.model_type == "classic_vit"
+                else ""
+            )
         )
     return projector
+
+
+def _holds_classic_vit(source: str | Path) -> bool:
+    """Whether a local folder's ``config.json`` is a classic ViT / DeiT tower's (for a message)."""
+    from moonvit.families import find_family
+
+    try:
+        values = json.loads((Path(source) / "config.json").read_text())
+        family = find_family(values) if isinstance(values, dict) else None
+    except (OSError, ValueError):
+        return False
+    return family is not None and family.name == "classic-vit"

@@ -58,7 +58,7 @@ from tqdm import tqdm
 from moonvit.cli import torch_dtype
 from moonvit.encode import encode_processed, process_pack
 from moonvit.media.packing import Pack
-from moonvit.media.processor import MoonViTImageProcessor
+from moonvit.media.processor import ImageProcessor
 from moonvit.media.video import MoonViTVideoProcessor
 from moonvit.model.attention import resolve_attn_implementation
 from moonvit.ray_data import object_column
@@ -316,7 +316,7 @@ def _check_same(expected: Mapping[str, Any], here: Mapping[str, Any], what: str)
 
 
 def decode_pack(
-    row: dict[str, Any], processor: MoonViTImageProcessor, video_processor: MoonViTVideoProcessor, pillow: str
+    row: dict[str, Any], processor: ImageProcessor, video_processor: MoonViTVideoProcessor, pillow: str
 ) -> dict[str, Any]:
     """A CPU task: one pack's pixels (:func:`~moonvit.encode.process_pack`, undecodable items
     recorded, not raised), pickled for the encoder actor. Refused where Pillow is not the

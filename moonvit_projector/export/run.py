@@ -21,7 +21,7 @@ from moonvit.files import write_text_atomic
 from moonvit.runs import compute_facts, describe_differences, differences
 from moonvit.weights.hub import source_label
 
-from ..token_folder import FAILURES_FILE, FORMAT, RUN_FILE
+from ..token_folder import FAILURES_FILE, FORMAT, PREFIX_NAMES, PREFIX_ROW, PREFIX_TENSOR, RUN_FILE
 from .cache import TokenCache, cache_settings, duplicate_sources
 from .inputs import InputImage, Inputs, listing_sha256, scan_inputs
 from .models import Models, load_models
@@ -29,7 +29,16 @@ from .plan import ExportItem, plan_all, shard_ranges, split_balanced
 from .settings import ExportError, ExportRun
 from .shards import ShardResult, assemble, export_shard, part_path, shard_work
 
-__all__ = ["Progress", "claim_output", "describe_run", "export", "export_on_ray", "export_rank", "kept_shards"]
+__all__ = [
+    "Progress",
+    "claim_output",
+    "describe_run",
+    "export",
+    "export_on_ray",
+    "export_rank",
+    "kept_shards",
+    "prefix_description",
+]
 
 
 def describe_run(run: ExportRun, models: Models, images: Sequence[InputImage], device: torch.device) -> dict[str, Any]:
@@ -41,8 +50,10 @@ def describe_run(run: ExportRun, models: Models, images: Sequence[InputImage], d
     kernel level, the host's bf16 units and Pillow) and the attention backend the encoder runs.
     The number of ranks is not there: it does not change the output. ``checkpoint.sha256`` hashes the
     encoder's and the projector's weights; ``checkpoint.projector_from`` names where the projector
-    came from when it is not the checkpoint (``--projector-from``; absent otherwise). Made of JSON
-    types only (lists, not tuples), so it compares equal to the file read back.
+    came from when it is not the checkpoint (``--projector-from``; absent otherwise). For a tower
+    with prefix tokens (the classic ViT / DeiT), ``prefix_tokens`` describes the shards' tensor of
+    them (:func:`prefix_description`; absent for MoonViT). Made of JSON types only (lists, not
+    tuples), so it compares equal to the file read back.
     """
     description = {
         "format": FORMAT,
@@ -73,7 +84,23 @@ def describe_run(run: ExportRun, models: Models, images: Sequence[InputImage], d
         },
         "compute": {**compute_facts(device), "attention": _attention(run, models, device)},
     }
+    if models.prefix_tokens:
+        description["prefix_tokens"] = prefix_description(models)
     return json.loads(json.dumps(description))
+
+
+def prefix_description(models: Models) -> dict[str, Any]:
+    """``run.json``'s ``prefix_tokens``: the shards' tensor of the prefix rows (its name), how many rows
+    each image has and what they are (``cls``, then DeiT's ``distillation``), its shape per shard and
+    the manifest key of an image's row."""
+    count = models.prefix_tokens
+    return {
+        "tensor": PREFIX_TENSOR,
+        "count": count,
+        "rows": list(PREFIX_NAMES[:count]),
+        "shape": ["images", count, models.encoder.config.hidden_size],
+        "manifest_key": PREFIX_ROW,
+    }
 
 
 def _attention(run: ExportRun, models: Models, device: torch.device) -> str:

@@ -1,7 +1,9 @@
 """Writing shards: one shard's tokens and part file (each atomically), then the manifest from the parts.
 
 Shard k is ``shard-{k:06d}.safetensors`` (one tensor per stored kind, the images' tokens back to
-back) and ``parts/shard-{k:06d}.json`` (its manifest lines and failures). The shard is renamed into
+back; for a tower with prefix tokens, the classic ViT / DeiT, also ``prefix_tokens``
+(images, n_prefix, D), one row per image, named by the line's ``prefix_row``) and
+``parts/shard-{k:06d}.json`` (its manifest lines and failures). The shard is renamed into
 place before its part, so a shard is done exactly when its part exists.
 """
 
@@ -23,7 +25,7 @@ from moonvit.files import save_safetensors_atomic, write_text_atomic
 from moonvit.media.packing import Pack, group_into_packs
 from moonvit.names import path_record
 
-from ..token_folder import FAILURES_FILE, MANIFEST_FILE, PARTS_DIR
+from ..token_folder import FAILURES_FILE, MANIFEST_FILE, PARTS_DIR, PREFIX_ROW, PREFIX_TENSOR
 from .cache import TokenCache, cacheable
 from .models import Models
 from .plan import ExportItem
@@ -213,6 +215,7 @@ def finish_shard(
     lines: list[dict[str, Any]] = []
     failures: list[dict[str, Any]] = []
     stored: dict[str, list[torch.Tensor]] = {kind: [] for kind in store}
+    prefix: list[torch.Tensor] = []  # a tower with prefix tokens: each image's (1, n_prefix, D)
     offset = 0
     for entry in work.planned:
         if entry.reason is not None:
@@ -230,12 +233,18 @@ def finish_shard(
                 continue
             result = work.tensors[item.key]
             num_tokens = len(result[store[0]])
-            lines.append(manifest_line(entry, item, entry.sha256, num_tokens, shard_name(work.index), offset))
+            line = manifest_line(entry, item, entry.sha256, num_tokens, shard_name(work.index), offset)
+            if PREFIX_TENSOR in result:
+                line[PREFIX_ROW] = len(prefix)
+                prefix.append(result[PREFIX_TENSOR])
+            lines.append(line)
             offset += num_tokens
             for kind in store:
                 stored[kind].append(result[kind])
     if offset:
         tensors = {kind: torch.cat(parts) for kind, parts in stored.items()}
+        if prefix:
+            tensors[PREFIX_TENSOR] = torch.cat(prefix)
         save_safetensors_atomic(tensors, out / shard_name(work.index))
     part = part_path(out, work.index)
     part.parent.mkdir(exist_ok=True)
@@ -245,15 +254,23 @@ def finish_shard(
 
 
 def stored_tensors(encoded: EncodedPack, models: Models, store: Sequence[str]) -> dict[Key, dict[str, torch.Tensor]]:
-    """Per item key, the kinds to store on the CPU: ``merged`` (n_i, 4, D) and / or
-    ``projected`` (n_i, llm_hidden), n_i = rows_i * cols_i / 4, in the export dtype."""
+    """Per item key, the kinds to store on the CPU: ``merged`` (n_i, kh * kw, D) and / or
+    ``projected`` (n_i, llm_hidden), n_i = rows_i * cols_i / (kh * kw), in the export dtype; for a
+    tower with prefix tokens (:attr:`Models.prefix_tokens`), also ``prefix_tokens`` (1, n_prefix, D),
+    the item's CLS (and distillation) rows after the final norm."""
     outputs = {"merged": encoded.merged}
     if "projected" in store:
         assert models.projector is not None
         with torch.no_grad():
             outputs["projected"] = models.projector(encoded.merged)
     split = {kind: encoded.split_tokens(outputs[kind].cpu()) for kind in store}
-    return {item.key: {kind: split[kind][i] for kind in store} for i, item in enumerate(encoded.items)}
+    tensors = {item.key: {kind: split[kind][i] for kind in store} for i, item in enumerate(encoded.items)}
+    if models.prefix_tokens:
+        assert encoded.output is not None and encoded.output.prefix_tokens is not None
+        rows = encoded.output.prefix_tokens.cpu()
+        for i, item in enumerate(encoded.items):
+            tensors[item.key][PREFIX_TENSOR] = rows[i : i + 1]
+    return tensors
 
 
 def item_id(entry: ExportItem, item: PackItem) -> str:
