@@ -1,4 +1,7 @@
-"""The frozen encoder under evaluation: built from a checkpoint folder or a random-init preset, and hashed."""
+"""The frozen encoder under evaluation: built from a checkpoint folder or a random-init preset, and hashed.
+
+Any registered tower: a MoonViT folder or preset, or a classic ViT / DeiT folder (transformers',
+timm's or this package's), read at native resolution with its patch size and no merger."""
 
 from __future__ import annotations
 
@@ -9,7 +12,8 @@ from typing import Any
 
 import torch
 
-from moonvit import MoonViT, MoonViTImageProcessor, preset_processors
+from moonvit import ImageProcessor, MoonViT, VisionEncoder, preset_processors
+from moonvit.encode import checkpoint_processors
 from moonvit.weights.checkpoint import update_weights_digest
 from moonvit.weights.hub import source_label
 
@@ -21,16 +25,23 @@ class FrozenEncoder:
     """An encoder in eval mode with its processor and identity.
 
     Attributes:
-        model: the encoder, in eval mode, gradients off.
-        processor: the checkpoint's image processor (a preset's: its family rule).
+        model: the encoder, in eval mode, gradients off (MoonViT or the classic ViT / DeiT).
+        processor: the checkpoint's image processor (a preset's: its family rule; a classic ViT's:
+            its patch size, no merger).
         source: ``checkpoint:PATH`` or ``preset:NAME`` (random init, seed).
         hash: sha256 identifying the weights (see :func:`weights_hash`).
     """
 
-    model: MoonViT
-    processor: MoonViTImageProcessor
+    model: VisionEncoder
+    processor: ImageProcessor
     source: str
     hash: str
+
+    @property
+    def num_parameters(self) -> int | None:
+        """The encoder's parameter count (None for an encoder that is not a torch module)."""
+        model = self.model
+        return sum(p.numel() for p in model.parameters()) if isinstance(model, torch.nn.Module) else None
 
 
 def weights_hash(model: torch.nn.Module, prefix: str = "") -> str:
@@ -49,12 +60,14 @@ def load_frozen_encoder(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     side_limit_mode: str | None = None,
+    attn: str | None = None,
 ) -> FrozenEncoder:
     """Load a checkpoint folder or hub id, or build a preset with weights drawn after ``torch.manual_seed(seed)``.
 
     Exactly one of ``checkpoint`` and ``preset`` is given; presets have no trained weights, so they
     need ``random_init``. A preset's hash covers its name and seed as well as the weights.
-    ``side_limit_mode`` replaces the processor's setting when given.
+    ``side_limit_mode`` replaces the processor's setting when given; ``attn``, when given, the
+    encoder's attention backend.
 
     Raises:
         ValueError: both or neither source, or a preset without ``random_init``.
@@ -63,8 +76,8 @@ def load_frozen_encoder(
         raise ValueError("give exactly one of a checkpoint folder or a preset name")
     overrides: dict[str, Any] = {} if side_limit_mode is None else {"side_limit_mode": side_limit_mode}
     if checkpoint is not None:
-        model = MoonViT.from_pretrained(checkpoint, dtype=dtype, device=device)
-        processor = MoonViTImageProcessor.from_pretrained(checkpoint, **overrides)
+        model = MoonViT.from_pretrained(checkpoint, dtype=dtype, device=device)  # any registered tower
+        processor = checkpoint_processors(checkpoint, model.config, **overrides).image
         source, prefix = f"checkpoint:{source_label(checkpoint)}", "checkpoint"
     else:
         assert preset is not None
@@ -74,5 +87,7 @@ def load_frozen_encoder(
         model = MoonViT.from_preset(preset).to(device=device, dtype=dtype)
         processor = preset_processors(preset, **overrides).image  # the preset's family rule
         source, prefix = f"preset:{preset} (random init, seed {seed})", f"preset:{preset}:seed:{seed}"
+    if attn is not None:
+        model.set_attn_implementation(attn)
     model.eval().requires_grad_(False)
     return FrozenEncoder(model, processor, source, weights_hash(model, prefix))

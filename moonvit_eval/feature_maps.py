@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from moonvit import MoonViT, MoonViTImageProcessor, load_image
+from moonvit import ImageProcessor, MoonViT, VisionEncoder, load_image
 from moonvit.cli import (
     ArgumentParser,
     add_seed_argument,
@@ -40,6 +40,7 @@ from moonvit.cli import (
     output_file,
     positive_int,
 )
+from moonvit.encode import checkpoint_processors
 from moonvit.media.image import ImageInput, images_below
 from moonvit.names import display_name
 
@@ -83,8 +84,9 @@ def _choose(total: int, count: int, seed: int) -> list[int]:
 
 
 @torch.no_grad()
-def patch_tokens(encoder: MoonViT, processor: MoonViTImageProcessor, images: list[Image.Image]) -> list[torch.Tensor]:
-    """Each image's (rows, cols, D) float32 patch tokens, the image encoded on its own."""
+def patch_tokens(encoder: VisionEncoder, processor: ImageProcessor, images: list[Image.Image]) -> list[torch.Tensor]:
+    """Each image's (rows, cols, D) float32 patch tokens, the image encoded on its own (a classic ViT's
+    patch rows, its CLS row left out)."""
     out = []
     for image in images:
         batch = processor(image)
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         reference = None
         for folder in args.checkpoint:
             encoder = MoonViT.from_pretrained(folder, dtype=torch.float32).eval()
-            processor = MoonViTImageProcessor.from_pretrained(folder)
+            processor = checkpoint_processors(folder, encoder.config).image  # a classic ViT's: its native rule
             tokens = patch_tokens(encoder, processor, pictures)
             scores = pca_rgb(tokens)
             scores = scores if reference is None else align_signs(reference, scores)

@@ -1,11 +1,17 @@
 """Frozen features of a split: the resize policy, the feature views, pack-wise extraction and the cache.
 
-Encoder views, all from one forward over packs of whole images (MoonViT has no CLS token):
-    ``mean``: each image's patch tokens after the final norm, averaged: (N, D).
-    ``merged-mean``: each image's 2x2 merged tokens (4 patch tokens concatenated in the merger's
-        order, as the projector sees them), averaged: (N, 4D).
+Encoder views, all from one forward over packs of whole images:
+    ``mean``: each image's patch tokens after the final norm, averaged: (N, D) (a classic ViT's
+        patch rows alone, its CLS row left out).
+    ``merged-mean``: each image's merged tokens (MoonViT's 2x2 groups: 4 patch tokens concatenated
+        in the merger's order, as the projector sees them), averaged: (N, 4D); for the classic ViT,
+        which has no merger, the same as ``mean``.
     ``last4``: the per-image means of the last 4 blocks' outputs (before the final norm),
         concatenated: (N, 4D); needs at least 4 blocks.
+    ``cls``: the CLS row after the final norm, the image representation of the ViT paper (its
+        ``pooled`` output): (N, D); only for a tower with a class token (the classic ViT / DeiT;
+        MoonViT has none).
+    ``both``: ``cls`` and ``mean`` concatenated, in that order: (N, 2D); as ``cls``.
 ``pixels`` is the no-encoder baseline: an image's raw pixels scaled to [0, 1], flattened.
 """
 
@@ -28,7 +34,7 @@ from tqdm import tqdm
 
 from moonvit import (
     DEFAULT_MAX_PATCHES_PER_PACK,
-    MoonViTImageProcessor,
+    ImageProcessor,
     MoonViTOutput,
     PackedGrid,
     VisionEncoder,
@@ -36,16 +42,18 @@ from moonvit import (
     pack_images,
     pool_features,
 )
-from moonvit.encode import encode_processed, processed_packs
+from moonvit.encode import class_token_features, encode_processed, processed_packs
 from moonvit.files import save_safetensors_atomic, write_text_atomic
 from moonvit.media.image import ImageInput
 from moonvit.model.attention import resolve_attn_implementation
+from moonvit.model.interface import has_class_token, tower_name
 from moonvit.runs import compute_facts
 
 from .datasets import Split
 from .encoder import FrozenEncoder
 
 __all__ = [
+    "CLASS_TOKEN_VIEWS",
     "ENCODER_VIEWS",
     "FEATURE_VIEWS",
     "FeatureCache",
@@ -53,13 +61,16 @@ __all__ = [
     "ResizePolicy",
     "encoder_views",
     "extract_features",
+    "missing_view_reason",
     "pixel_features",
     "split_features",
 ]
 
-ENCODER_VIEWS = ("mean", "merged-mean", "last4")
+ENCODER_VIEWS = ("mean", "merged-mean", "last4", "cls", "both")
 LAST4 = (-4, -3, -2, -1)
 """The hidden states the ``last4`` view reads: the last four blocks' outputs."""
+CLASS_TOKEN_VIEWS = ("cls", "both")
+"""The views that read the CLS row: only a tower with a class token gives them."""
 FEATURE_VIEWS = (*ENCODER_VIEWS, "pixels")
 CACHE_FORMAT = 1
 PIXEL_SIDE = 32
@@ -163,7 +174,12 @@ def encoder_views(
         views: names from :data:`ENCODER_VIEWS`.
 
     Returns:
-        {view: (N, F) float32}: F = D for ``mean``, 4D for ``merged-mean`` and ``last4``.
+        {view: (N, F) float32}: F = D for ``mean`` and ``cls``, 4D for ``merged-mean`` (D for the
+        classic ViT) and ``last4``, 2D for ``both``.
+
+    Raises:
+        ValueError: an unknown view, ``last4`` without the hidden states, ``cls`` / ``both`` on an
+            output without a CLS row.
     """
     result = {}
     for view in views:
@@ -175,19 +191,49 @@ def encoder_views(
             if output.hidden_states is None or len(output.hidden_states) < 4:
                 raise ValueError("the last4 view needs the last 4 blocks' hidden states of an encoder with 4 blocks")
             result[view] = torch.cat([pool_features(h, grid) for h in output.hidden_states[-4:]], dim=1)
+        elif view == "cls":
+            result[view] = class_token_features(output)
+        elif view == "both":
+            result[view] = torch.cat([class_token_features(output), pool_features(output, grid)], dim=1)
         else:
             raise ValueError(f"unknown encoder view {view!r}; choose from {ENCODER_VIEWS}")
     return result
 
 
 def available_views(model: VisionEncoder) -> tuple[str, ...]:
-    """The encoder views ``model`` can give (``last4`` needs 4 blocks)."""
-    return ENCODER_VIEWS if model.config.num_hidden_layers >= 4 else ENCODER_VIEWS[:2]
+    """The encoder views ``model`` can give: ``last4`` needs 4 blocks, ``cls`` and ``both`` a class token."""
+    config = model.config
+    return tuple(
+        view
+        for view in ENCODER_VIEWS
+        if (view != "last4" or config.num_hidden_layers >= 4)
+        and (view not in CLASS_TOKEN_VIEWS or has_class_token(config))
+    )
+
+
+def missing_view_reason(model: VisionEncoder, view: str) -> str:
+    """Why ``model`` cannot give ``view`` (one of :data:`ENCODER_VIEWS` not in :func:`available_views`)."""
+    config = model.config
+    given = ", ".join(available_views(model))
+    if view in CLASS_TOKEN_VIEWS:
+        what = (
+            "a classic ViT pooled by the mean of its patches"
+            if config.model_type == "classic_vit"
+            else f"a {tower_name(config)}"
+        )
+        return (
+            f"--features {view} reads the CLS token, and this encoder ({what}) has none: choose mean, the mean "
+            f"of its patch tokens, or another of the views it gives ({given})"
+        )
+    return (
+        f"--features {view} needs an encoder of at least 4 blocks; this one has {config.num_hidden_layers} "
+        f"(it gives {given})"
+    )
 
 
 def extract_features(
     model: VisionEncoder,
-    processor: MoonViTImageProcessor,
+    processor: ImageProcessor,
     images: Iterable[ImageInput],
     views: Iterable[str],
     *,
@@ -319,7 +365,7 @@ def split_features(
         raise ValueError(f"view {view!r} needs an encoder")
     views = available_views(encoder.model)
     if view not in views:
-        raise ValueError(f"view {view!r} is not available for this encoder (it gives {views})")
+        raise ValueError(missing_view_reason(encoder.model, view))
     model = encoder.model
     base = {
         "checkpoint": encoder.hash,

@@ -1,6 +1,11 @@
 """Linear-probe a frozen MoonViT encoder on an image-classification dataset.
 
     python -m moonvit_eval.linear_probe --preset tiny --random-init --dataset fashion-mnist --out outputs/probe/tiny
+    python -m moonvit_eval.linear_probe --checkpoint VIT_FOLDER --features cls --dataset digits
+
+A classic ViT / DeiT folder is probed at native resolution too, on the features the ViT paper
+discusses: ``--features cls`` (the CLS row after the final norm), ``mean`` (the mean of its patch
+rows) or ``both`` (the two concatenated); see :mod:`moonvit_eval.features` for every view.
 
 Protocol: the frozen encoder's features are extracted once per split (eval mode, no augmentation,
 packs of whole images under a patch budget) and cached on disk; they are standardised with
@@ -60,7 +65,7 @@ from moonvit.runs import compute_facts
 
 from .datasets import DEFAULT_FASHION_MNIST_DIR, Dataset, DatasetError, load_dataset
 from .encoder import FrozenEncoder, load_frozen_encoder
-from .features import FEATURE_VIEWS, PIXEL_SIDE, FeatureCache, ResizePolicy, available_views
+from .features import FEATURE_VIEWS, PIXEL_SIDE, FeatureCache, ResizePolicy, available_views, missing_view_reason
 from .knn import DEFAULT_KS, DEFAULT_TEMPERATURE, KnnConfig
 from .logreg import DEFAULT_CS, DEFAULT_SEARCH_ROWS, LogRegConfig, sklearn_version
 from .probe import ProbeConfig, ProbeDataWarning, check_probe_labels
@@ -112,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--features",
         choices=FEATURE_VIEWS,
         default="mean",
-        help="feature view (default: mean; last4 needs an encoder of at least 4 blocks)",
+        help="feature view (default: mean; last4 needs an encoder of at least 4 blocks; cls, the CLS row, and "
+        "both, cls and mean concatenated, a classic ViT / DeiT tower)",
     )
     parser.add_argument(
         "--out",
@@ -281,18 +287,14 @@ def run(probe: ProbeRun) -> dict[str, Any]:
                 dtype=probe.dtype,
                 device=probe.device,
                 side_limit_mode=probe.side_limit_mode,
+                attn=probe.attn,
             )
         except moonvit.CheckpointError as error:
             raise ProbeArgumentError(f"cannot load --checkpoint {probe.checkpoint}: {error}") from error
-        encoder.model.set_attn_implementation(probe.attn)
         # a backend that cannot run on this device in this dtype: one line (exit_on), before any feature
         resolve_attn_implementation(probe.attn, encoder.model.device, encoder.model.dtype)
-        given = available_views(encoder.model)
-        if probe.features not in given:
-            raise ProbeArgumentError(
-                f"--features {probe.features} needs an encoder of at least 4 blocks; this one has "
-                f"{encoder.model.config.num_hidden_layers} (it gives {', '.join(given)})"
-            )
+        if probe.features not in available_views(encoder.model):
+            raise ProbeArgumentError(missing_view_reason(encoder.model, probe.features))
     out = probe.out
     out.mkdir(parents=True, exist_ok=True)
     cache = FeatureCache(probe.cache_dir)

@@ -275,7 +275,7 @@ def probe_results(
             "checkpoint_hash": encoder.hash,
             "dtype": str(encoder.model.dtype),
             "device": run.device,
-            "num_parameters": sum(p.numel() for p in encoder.model.parameters()),
+            "num_parameters": encoder.num_parameters,
         },
         "preprocessing": {
             "resize": {
