@@ -290,7 +290,7 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> None:
     extra = []
     for name, rows in per_image.items():
         given = [row for row in rows if row is not None]
-        if given and len(given) == len(rows):
+        if given and len(given) == len(rows) and given[0].numel():  # a GAP tower's prefix rows are empty
             file = args.out / f"{name}.safetensors"
             save_safetensors_atomic({s["image"]: row.float() for s, row in zip(summary, given)}, file)
             written.append(file)

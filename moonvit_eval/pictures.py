@@ -23,15 +23,34 @@ import torch.nn.functional as F
 
 from moonvit import MoonViT
 from moonvit.cli import ArgumentParser, add_checkpoint_argument, exit_on, output_file, positive_int
+from moonvit.families.vit import ClassicViT
 
-__all__ = ["grid_table", "position_similarity", "resampled_table", "save_position_similarity", "save_table_similarity"]
+__all__ = [
+    "grid_table",
+    "position_similarity",
+    "resampled_table",
+    "save_position_similarity",
+    "save_table_similarity",
+    "stored_table",
+]
 
 
-def resampled_table(encoder: MoonViT, height: int, width: int) -> torch.Tensor:
+def resampled_table(encoder: MoonViT | ClassicViT, height: int, width: int) -> torch.Tensor:
     """(height, width, D) float32: the position table as the encoder adds it to an image of a
-    height x width patch grid (:meth:`MoonViT.position_table`: its own resampling, as in the forward)."""
+    height x width patch grid (``position_table``: its own resampling, as in the forward; a classic
+    ViT's by its checkpoint's rule)."""
     with torch.no_grad():
-        return encoder.position_table(height, width).float()
+        return encoder.position_table(height, width).detach().float()
+
+
+def stored_table(encoder: MoonViT | ClassicViT) -> torch.Tensor:
+    """(H, W, D) float32: the position table as the checkpoint stores it: MoonViT's 2D table, or a
+    classic ViT's 1D table's patch rows on its native G x G grid (its prefix tokens' rows left out)."""
+    with torch.no_grad():
+        if isinstance(encoder, ClassicViT):
+            side = encoder.config.grid_side
+            return encoder.position_table(side, side).detach().float()  # the native grid: the stored rows
+        return encoder.patch_embed.pos_emb.weight.detach().float()
 
 
 def position_similarity(table: torch.Tensor) -> torch.Tensor:
@@ -161,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         table = resampled_table(encoder, *args.grid)
         shape = f"resampled to {args.grid[0]}x{args.grid[1]}"
     else:
-        table = encoder.patch_embed.pos_emb.weight.detach().float()
+        table = stored_table(encoder)
         shape = "as stored"
     name = Path(str(args.checkpoint)).name
     title = args.title or f"{name}: position-table cosine similarity ({shape})"

@@ -30,6 +30,8 @@ from moonvit_eval.datasets import load_dataset
 from moonvit_eval.encoder import load_frozen_encoder
 from moonvit_eval.features import ResizePolicy, available_views, extract_features
 from moonvit_eval.linear_probe import main as probe_main
+from moonvit_eval.pictures import main as pictures_main
+from moonvit_eval.pictures import resampled_table, stored_table
 from moonvit_projector import MoonViTProjector, ProjectorConfig
 from moonvit_projector.dataset import VisualTokenDataset
 from moonvit_projector.export.cache import TokenCache, cache_settings
@@ -172,6 +174,23 @@ def test_main_job_writes_patch_tokens_and_the_cls_row_of_a_vit_folder(vit, image
     # the saved folder is a classic ViT folder again, with the processor it ran
     assert ClassicViT.from_pretrained(tmp_path / "saved").config == ClassicViT.from_pretrained(vit).config
     assert checkpoint_processors(tmp_path / "saved", ClassicViT.from_pretrained(vit).config).image == PROCESSOR
+
+
+def test_a_gap_tower_gives_the_mean_of_its_patch_rows_and_no_prefix_rows(tmp_path, images):
+    """A classic ViT pooled by the mean of its patches (no CLS token): ``pooled`` is that mean, and
+    neither the main job nor the export writes prefix rows."""
+    folder = save_tower(tmp_path / "gap", class_token=False, pool="avg")
+    out = tmp_path / "out"
+    argv = ["--checkpoint", str(folder), "--images", *map(str, images), "--out", str(out), "--dtype", "fp32"]
+    with_threads(moonvit_main, [*argv, "--threads", "1"])
+    assert sorted(p.name for p in out.iterdir()) == ["merged.safetensors", "pooled.safetensors", "summary.json"]
+    merged, pooled = load_file(out / "merged.safetensors"), load_file(out / "pooled.safetensors")
+    for key in merged:
+        assert_close_across_shapes(pooled[key], merged[key][:, 0].mean(0))
+    run_export("--inputs", images[0].parent, "--checkpoint", folder, "--out", tmp_path / "export", "--store", "merged")
+    assert "prefix_tokens" not in json.loads((tmp_path / "export" / "run.json").read_text())
+    with safe_open(tmp_path / "export" / "shard-000000.safetensors", framework="pt") as shard:
+        assert set(shard.keys()) == {"merged"}
 
 
 def test_main_job_on_a_transformers_classifier_writes_its_logits(tmp_path, capsys):
@@ -383,3 +402,17 @@ def test_cls_features_of_a_tower_without_a_cls_token_are_refused(source, what, v
     error = capsys.readouterr().err
     assert f"--features {view} reads the CLS token, and this encoder ({what}" in error
     assert not (tmp_path / "out").exists()  # refused before any work
+
+
+def test_position_pictures_of_a_vit_folder(vit, tmp_path):
+    """``python -m moonvit_eval.pictures``: a classic ViT's stored table is its 1D table's patch rows
+    on the native grid (the CLS row left out); ``--grid`` draws it resampled by the tower's rule."""
+    tower = ClassicViT.from_pretrained(vit, dtype=torch.float32)
+    side = tower.config.grid_side
+    expected = tower.pos_embed[0, 1:].detach().reshape(side, side, WIDTH)
+    torch.testing.assert_close(stored_table(tower), expected, rtol=0, atol=0)
+    torch.testing.assert_close(resampled_table(tower, side, side), expected, rtol=0, atol=0)
+    for extra in ([], ["--grid", "3", "5"]):
+        out = tmp_path / f"picture{len(extra)}.png"
+        pictures_main(["--checkpoint", str(vit), "--out", str(out), *extra])
+        assert Image.open(out).size[0] > 0
