@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close_across_shapes, run_export, tiny_model, with_threads
+from helpers import assert_close_across_shapes, folder_bytes, run_export, tiny_model, with_threads
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -304,6 +304,16 @@ def test_export_cache_holds_the_prefix_rows_and_keys_them(vit, images, tmp_path)
     with safe_open(entry, framework="pt") as handle:
         assert set(handle.keys()) == {"merged", "prefix_tokens"}
         assert handle.get_slice("prefix_tokens").get_shape() == [1, 1, WIDTH]
+
+
+def test_the_ray_engine_writes_a_vit_export_s_bytes(deit, images, tmp_path):
+    """The prefix rows travel from Ray's encoder actors as the tokens do: the same folder, byte for byte."""
+    pytest.importorskip("ray")
+    args = ["--inputs", images[0].parent, "--checkpoint", deit, "--store", "merged", "--shard-size", "2"]
+    run_export(*args, "--max-patches-per-pack", "16", "--out", tmp_path / "local")
+    run_export(*args, "--max-patches-per-pack", "16", "--out", tmp_path / "ray", "--engine", "ray")
+    assert folder_bytes(tmp_path / "ray") == folder_bytes(tmp_path / "local")
+    assert len(shard_rows(tmp_path / "ray")) == len(images)
 
 
 def test_a_moonvit_export_has_no_prefix_rows(tmp_path, images):
