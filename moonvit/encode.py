@@ -3,8 +3,11 @@
 :func:`encode_pack` decodes a :class:`~moonvit.media.packing.Pack`'s images, runs one
 forward and returns an :class:`EncodedPack` that splits the outputs per image.
 :func:`iter_encode_images` / :func:`encode_images` (the one-liners),
-``moonvit_projector.export`` and the probe's feature extraction all go through it.
-:func:`pool_features` averages each image's tokens.
+``moonvit_projector.export`` and the probe's feature extraction all go through it, for any tower
+(:class:`~moonvit.model.interface.VisionEncoder`: MoonViT, or the classic ViT / DeiT, whose
+per-image prefix rows, pooled row and logits come along). :func:`pool_features` averages each
+image's tokens, :func:`class_token_features` takes a classic ViT's CLS rows, and
+:func:`checkpoint_processors` gives the processors the commands run a checkpoint folder with.
 """
 
 from __future__ import annotations
