@@ -17,7 +17,6 @@ from PIL import Image
 
 from moonvit import (
     ImageLoadError,
-    MoonViTConfig,
     MoonViTImageProcessor,
     PackedGrid,
     build_packed_grid,
@@ -27,6 +26,7 @@ from moonvit import (
 from moonvit_eval.datasets import Split
 
 from .augment import AugmentConfig, Mixed, augment_image, mix_images
+from .classic import EncoderConfig
 from .plan import PlannedTrainImage
 
 __all__ = ["Batch", "ImageSource", "UnreadableImageError", "kept_rows", "render_pack"]
@@ -147,7 +147,7 @@ def kept_rows(grid_thws: torch.Tensor, keep: Sequence[torch.Tensor]) -> torch.Te
 def render_pack(
     items: Sequence[PlannedTrainImage],
     source: ImageSource,
-    encoder_config: MoonViTConfig,
+    encoder_config: EncoderConfig,
     augment: AugmentConfig | None,
     mix_rng: np.random.Generator | None = None,
     full_pixels: bool = False,

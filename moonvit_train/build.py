@@ -9,12 +9,24 @@ import math
 
 import torch
 
-from moonvit import CheckpointError, MoonViT, MoonViTConfig, MoonViTImageProcessor, preset_config, preset_processors
+from moonvit import CheckpointError, MoonViT, MoonViTImageProcessor, preset_config, preset_processors
 from moonvit.distributed import Ranks
 from moonvit.model.blocks import Block
 from moonvit.model.lora import LoRAConfig, apply_lora
 
 from .batch import ImageSource
+from .classic import (
+    CLASSIC_PRESETS,
+    ClassicError,
+    ClassicViT,
+    Encoder,
+    EncoderConfig,
+    classic_processor,
+    classic_tower,
+    is_classic,
+    processor_of,
+    select_trainable_classic,
+)
 from .config import ModelSection, TrainConfig
 from .data import TrainingData
 from .plan import ImageStream, Packer, Resolution, default_lookahead
@@ -26,57 +38,93 @@ class TrainError(RuntimeError):
     """The run cannot go on: a non-finite loss, a tower that cannot be loaded, a budget below one image."""
 
 
-def describe(config: MoonViTConfig) -> str:
-    """An encoder's shape in one line (compared on resume): :meth:`MoonViTConfig.describe`."""
+def describe(config: EncoderConfig) -> str:
+    """An encoder's shape in one line (compared on resume): :meth:`MoonViTConfig.describe` (or the classic ViT's)."""
     return config.describe()
 
 
-def build_encoder(config: TrainConfig) -> tuple[MoonViT, MoonViTImageProcessor]:
+def build_encoder(config: TrainConfig) -> tuple[Encoder, MoonViTImageProcessor]:
     """The encoder to train (fp32 weights, in train mode, gradient checkpointing as asked, frozen or
     wrapped in LoRA adapters as asked: :func:`select_trainable`) and the processor whose normalisation
-    it expects.
+    it expects: a MoonViT, or a classic ViT / DeiT (:mod:`moonvit_train.classic`) from one of its presets
+    or folders, its table resampled to ``--image-size`` where given.
 
     A preset is initialised from ``--seed``; so is, with a ``--checkpoint``, whatever is drawn next
     (LoRA's A matrices, the objective's head or decoder), since the seed is set last here either way.
     """
-    if config.model.checkpoint is not None:
-        try:
-            loaded = MoonViT.from_pretrained(config.model.checkpoint, dtype=torch.float32)
-            processor = MoonViTImageProcessor.from_pretrained(config.model.checkpoint)
-        except (CheckpointError, OSError, ValueError) as error:
-            raise TrainError(f"cannot load --checkpoint {config.model.checkpoint}: {error}") from error
-        encoder = MoonViT(dataclasses.replace(loaded.config, drop_path_rate=config.model.drop_path))
-        encoder.load_state_dict(loaded.state_dict())
-        torch.manual_seed(config.run.seed)  # the objective's new parameters are drawn next
-    else:
-        overrides = {
-            field: value
-            for field, value in (
-                ("num_hidden_layers", config.model.depth),
-                ("hidden_size", config.model.width),
-                ("num_attention_heads", config.model.heads),
-                ("intermediate_size", config.model.mlp_width),
-                ("init_pos_emb_height", config.model.pos_emb_size),
-                ("init_pos_emb_width", config.model.pos_emb_size),
+    model = config.model
+    encoder: Encoder
+    try:
+        if model.checkpoint is not None:
+            try:
+                loaded = MoonViT.from_pretrained(model.checkpoint, dtype=torch.float32)
+                processor = processor_of(loaded, model.checkpoint)
+            except (CheckpointError, OSError, ValueError) as error:
+                raise TrainError(f"cannot load --checkpoint {model.checkpoint}: {error}") from error
+            if isinstance(loaded, ClassicViT):
+                encoder = classic_tower(model, loaded)
+            else:
+                _refuse_image_size(model, f"--checkpoint {model.checkpoint}")
+                encoder = MoonViT(dataclasses.replace(loaded.config, drop_path_rate=model.drop_path))
+                encoder.load_state_dict(loaded.state_dict())
+            torch.manual_seed(config.run.seed)  # the objective's new parameters are drawn next
+        else:
+            assert model.preset is not None
+            torch.manual_seed(config.run.seed)
+            if model.preset in CLASSIC_PRESETS:
+                encoder = classic_tower(model, None)
+                processor = classic_processor(encoder.config, preset=model.preset)
+            else:
+                _refuse_image_size(model, f"--preset {model.preset}")
+                encoder, processor = _moonvit_preset(config), preset_processors(model.preset).image  # its family's
+        if is_classic(encoder) and config.runtime.save_layout != "own":
+            raise ClassicError(
+                f"--save-layout {config.runtime.save_layout} writes a MoonViT release's layout; a classic ViT is "
+                "saved in its own (--save-layout own), which MoonViT.from_pretrained loads"
             )
-            if value is not None
-        }
-        assert config.model.preset is not None
-        try:
-            model_config = preset_config(config.model.preset, drop_path_rate=config.model.drop_path, **overrides)
-        except ValueError as error:
-            raise TrainError(f"--preset {config.model.preset} with {overrides}: {error}") from error
-        torch.manual_seed(config.run.seed)
-        encoder, processor = MoonViT(model_config), preset_processors(config.model.preset).image  # its family's rule
-    if config.model.grad_checkpointing:
+    except ClassicError as error:
+        raise TrainError(str(error)) from error
+    if model.grad_checkpointing:
         encoder.gradient_checkpointing_enable()
-    select_trainable(encoder, config.model)
+    select_trainable(encoder, model)
     return encoder.train(), processor
 
 
-def select_trainable(encoder: MoonViT, model: ModelSection) -> None:
+def _moonvit_preset(config: TrainConfig) -> MoonViT:
+    """A MoonViT preset, its shape overridden by ``--depth`` ... ``--pos-emb-size``, drawn from torch's generator."""
+    model = config.model
+    overrides = {
+        field: value
+        for field, value in (
+            ("num_hidden_layers", model.depth),
+            ("hidden_size", model.width),
+            ("num_attention_heads", model.heads),
+            ("intermediate_size", model.mlp_width),
+            ("init_pos_emb_height", model.pos_emb_size),
+            ("init_pos_emb_width", model.pos_emb_size),
+        )
+        if value is not None
+    }
+    assert model.preset is not None
+    try:
+        model_config = preset_config(model.preset, drop_path_rate=model.drop_path, **overrides)
+    except ValueError as error:
+        raise TrainError(f"--preset {model.preset} with {overrides}: {error}") from error
+    return MoonViT(model_config)
+
+
+def _refuse_image_size(model: ModelSection, source: str) -> None:
+    if model.image_size is not None:
+        raise TrainError(
+            f"--image-size resamples a classic ViT's 1D position table; {source} is a MoonViT, whose 2D table "
+            "is interpolated to every image's grid already (--pos-emb-size sizes a preset's)"
+        )
+
+
+def select_trainable(encoder: Encoder, model: ModelSection) -> None:
     """Freeze what ``--freeze`` / ``--freeze-blocks`` name, or wrap the ``--lora-targets`` linears in
-    LoRA adapters (every other weight of the tower frozen), in place.
+    LoRA adapters (every other weight of the tower frozen), in place (a classic ViT:
+    :func:`~moonvit_train.classic.select_trainable_classic`).
 
     A frozen weight has ``requires_grad`` False: the optimizer never holds it (so weight decay cannot
     move it), DDP leaves it out of its reduction, and autograd records nothing on it. Since the
@@ -85,6 +133,12 @@ def select_trainable(encoder: MoonViT, model: ModelSection) -> None:
     the objective's head). Frozen blocks also lose their stochastic depth: they are a fixed feature
     extractor, which computes in training what it computes at inference.
     """
+    if isinstance(encoder, ClassicViT):
+        try:
+            select_trainable_classic(encoder, model)
+        except ClassicError as error:
+            raise TrainError(str(error)) from error
+        return
     blocks = encoder.encoder.blocks
     if model.lora_rank is not None:
         assert model.lora_targets is not None
@@ -127,9 +181,13 @@ class RunPlan:
         return [self.eval_resolution.grid(int(w), int(h)) for w, h in source.sizes()]
 
 
-def build_plan(config: TrainConfig, encoder: MoonViTConfig, data: TrainingData, ranks: Ranks) -> RunPlan:
-    """Resolution, token drop, stream and packer; refuses a budget below one image."""
-    unit = math.lcm(*encoder.merge_kernel_size)
+def build_plan(
+    config: TrainConfig, encoder: EncoderConfig, data: TrainingData, ranks: Ranks, grid_unit: int = 1
+) -> RunPlan:
+    """Resolution, token drop, stream and packer; refuses a budget below one image. Sizes are rounded to whole
+    merge units: 2x2 patches for a MoonViT, one patch for a classic ViT, and multiples of ``grid_unit``
+    (the objective's: a teacher's merge kernel)."""
+    unit = math.lcm(*encoder.merge_kernel_size, grid_unit)
     common = dict(max_patches=config.data.batch_patches, patch_size=encoder.patch_size, unit=unit)
     low, high = config.data.resolution
     resolution = Resolution(low, high, max_grid_side=encoder.max_grid_side, **common)

@@ -43,12 +43,14 @@ from moonvit.model.lora import LORA_TARGETS
 from moonvit_eval.datasets import DEFAULT_FASHION_MNIST_DIR
 
 from .augment import AugmentConfig
+from .classic import CLASSIC_PRESETS
 from .objectives import OBJECTIVES
 from .optim import OptimConfig
 from .plan import TokenDrop
 
 __all__ = [
     "NOT_RUN_DEFINING",
+    "PRESET_CHOICES",
     "PROG",
     "SMOKE",
     "SMOKE_DEFAULTS",
@@ -80,6 +82,9 @@ NOT_RUN_DEFINING = frozenset(
 )
 """Arguments that may differ between a run and its resumption (they do not change the weights)."""
 
+PRESET_CHOICES = (*sorted(moonvit.PRESETS), *CLASSIC_PRESETS)
+"""``--preset``: MoonViT's sizes, then the classic ViT / DeiT's (:data:`moonvit.families.vit.PRESETS`)."""
+
 PROG = "python -m moonvit_train"
 
 SMOKE = {"steps": 30, "eval_limit": 256, "evals": 2}
@@ -109,7 +114,8 @@ class RunSection:
 
 @dataclass(frozen=True)
 class ModelSection:
-    """The encoder: a ``preset`` (its shape overridable) or a ``checkpoint``, and what of it trains:
+    """The encoder: a ``preset`` (its shape overridable) or a ``checkpoint``, a MoonViT or a classic ViT /
+    DeiT (``image_size``: the latter's table resampled to that many px first), and what of it trains:
     all of it, none (``freeze="tower"``), all but the embeddings and the first ``freeze_blocks``
     blocks, or LoRA adapters of rank ``lora_rank`` on its ``lora_targets`` linears (the LoRA
     settings are all None without ``lora_rank``)."""
@@ -121,6 +127,7 @@ class ModelSection:
     heads: int | None = None
     mlp_width: int | None = None
     pos_emb_size: int | None = None
+    image_size: int | None = None
     drop_path: float = 0.05
     grad_checkpointing: bool = False
     freeze: str | None = None
@@ -244,8 +251,8 @@ def lora_targets(text: str) -> tuple[str, ...]:
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog=PROG,
-        description="Train a MoonViT encoder on packed native-resolution images. Rerunning the same command "
-        "resumes from the last checkpoint in --out.",
+        description="Train a MoonViT encoder (or a classic ViT / DeiT) on packed native-resolution images. Rerunning "
+        "the same command resumes from the last checkpoint in --out.",
         epilog="Data-parallel: torchrun --nproc-per-node K -m moonvit_train ... (gloo on CPU, NCCL on GPUs; each rank "
         "takes its share of every step's packs).",
     )
@@ -276,7 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
     model = parser.add_argument_group("model")
     source = model.add_mutually_exclusive_group()
     source.add_argument(
-        "--preset", choices=sorted(moonvit.PRESETS), help="a randomly initialised encoder size (or --checkpoint)"
+        "--preset",
+        choices=PRESET_CHOICES,
+        metavar="NAME",
+        help="a randomly initialised encoder: a MoonViT size (" + ", ".join(sorted(moonvit.PRESETS)) + ") or a "
+        "classic ViT / DeiT (" + ", ".join(CLASSIC_PRESETS) + ") (or --checkpoint)",
     )
     add_checkpoint_argument(
         source, "start from this tower: a checkpoint folder (any format the package reads) or hub id"
@@ -290,6 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         help="with --preset: side of the learnable position table (64 in the released towers; a small "
         "table suits small images and keeps a small model small)",
+    )
+    model.add_argument(
+        "--image-size",
+        type=positive_int,
+        metavar="PX",
+        help="a classic ViT / DeiT: resample its 1D position table once to PX px (a multiple of the patch) and "
+        "train and save it at that native size: the ViT paper's and DeiT's fine-tune at 384 of a 224 checkpoint "
+        "(default: the tower's own)",
     )
     model.add_argument(
         "--drop-path",
@@ -510,6 +529,13 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         parser.error(
             "--depth / --width / --heads / --mlp-width / --pos-emb-size shape a --preset; a --checkpoint has its own"
         )
+    if args.preset in CLASSIC_PRESETS and args.pos_emb_size is not None:
+        parser.error(f"--pos-emb-size shapes a MoonViT's 2D table; {args.preset}'s 1D table follows --image-size")
+    if args.preset in moonvit.PRESETS and args.image_size is not None:
+        parser.error(
+            f"--image-size resamples a classic ViT's 1D position table; --preset {args.preset} is a MoonViT, whose "
+            "2D table is interpolated to every image's grid already (--pos-emb-size sizes it)"
+        )
     lora_settings = {"alpha": args.lora_alpha, "dropout": args.lora_dropout, "targets": args.lora_targets}
     if args.lora_rank is None and any(value is not None for value in lora_settings.values()):
         given = next(name for name, value in lora_settings.items() if value is not None)
@@ -625,7 +651,7 @@ def _other_objectives_flags(parser: argparse.ArgumentParser, args: argparse.Name
     each with the objective it belongs to."""
     mine = _objective_flags(parser, args.objective)
     found: dict[str, str] = {}
-    for name in sorted(OBJECTIVES):
+    for name in OBJECTIVES:  # a flag two objectives share (--teacher) is named for the first registered
         for dest, action in _objective_flags(parser, name).items():
             if dest not in mine and getattr(args, dest) != action.default:
                 found.setdefault(action.option_strings[0], name)

@@ -113,7 +113,7 @@ def run(config: TrainConfig, ranks: Ranks, device: torch.device) -> dict[str, An
                 stacklevel=1,
             )
     objective = objective_class.from_config(encoder, data.classes, config)
-    plan = build_plan(config, encoder.config, data, ranks)
+    plan = build_plan(config, encoder.config, data, ranks, objective.grid_unit)
     identity = {
         **run_defining(config),
         "--packs-per-step": plan.packs_per_step,  # resolved: the default follows the world size

@@ -1,10 +1,10 @@
 """AdamW with the ViT recipe's parameter groups, and the warmup + cosine learning-rate schedule.
 
-Groups: weight decay on matrices only (none on norms, biases and the position table); with
-``layer_decay`` < 1 (fine-tuning a pretrained tower) each encoder depth gets
-``lr * layer_decay ** (depth + 1 - d)``: the patch embedding is depth 0, block i depth i + 1, the
-final norm depth ``num_layers + 1`` (full rate); the objective's own parameters (a new head) get
-``head_lr``.
+Groups: weight decay on matrices only (none on norms, biases, the position table and a classic ViT's
+prefix tokens); with ``layer_decay`` < 1 (fine-tuning a pretrained tower) each encoder depth gets
+``lr * layer_decay ** (depth + 1 - d)``: the patch embedding (and a classic ViT's table and prefix
+tokens) is depth 0, block i depth i + 1, the final norm depth ``num_layers + 1`` (full rate); the
+objective's own parameters (a new head), and a classic ViT's own head(s), get ``head_lr``.
 """
 
 from __future__ import annotations
@@ -16,12 +16,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from moonvit import MoonViT
+from .classic import Encoder, head_parameter, is_classic
 
 __all__ = ["OptimConfig", "build_optimizer", "build_schedule", "lr_factor", "param_groups"]
 
-NO_DECAY_NAMES = ("pos_emb.weight",)
-"""Parameters besides norms and biases (every 1-D tensor) that are not weight-decayed."""
+NO_DECAY_NAMES = ("pos_emb.weight", "pos_embed", "cls_token", "dist_token")
+"""Parameters besides norms and biases (every 1-D tensor) that are not weight-decayed: MoonViT's table, and a
+classic ViT's table and prefix tokens (as timm's ``no_weight_decay``)."""
+EMBEDDING_NAMES = ("patch_embed.", "pos_embed", "cls_token", "dist_token")
+"""Names that start depth 0 (below the first block) for layer-wise decay."""
 
 
 @dataclass(frozen=True)
@@ -51,16 +54,17 @@ class OptimConfig:
 
 
 def encoder_depth(name: str, num_layers: int) -> int:
-    """Depth of an encoder parameter for layer-wise decay: 0 embedding, i + 1 block i, num_layers + 1 final norm."""
-    block = re.match(r"encoder\.blocks\.(\d+)\.", name)
+    """Depth of an encoder parameter for layer-wise decay: 0 embedding, i + 1 block i, num_layers + 1 final norm
+    (MoonViT's ``encoder.blocks.i``, a classic ViT's ``blocks.i``)."""
+    block = re.match(r"(?:encoder\.)?blocks\.(\d+)\.", name)
     if block:
         return int(block.group(1)) + 1
-    return 0 if name.startswith("patch_embed.") else num_layers + 1
+    return 0 if name.startswith(EMBEDDING_NAMES) else num_layers + 1
 
 
-def param_groups(encoder: MoonViT, objective: nn.Module, config: OptimConfig) -> list[dict]:
+def param_groups(encoder: Encoder, objective: nn.Module, config: OptimConfig) -> list[dict]:
     """AdamW parameter groups (see the module docstring); each carries its own base ``lr``."""
-    num_layers = encoder.config.num_hidden_layers
+    num_layers, classic = encoder.config.num_hidden_layers, is_classic(encoder)
     groups: dict[tuple[str, int], dict] = {}
 
     def add(param: nn.Parameter, name: str, lr: float, part: str, depth: int) -> None:
@@ -78,7 +82,9 @@ def param_groups(encoder: MoonViT, objective: nn.Module, config: OptimConfig) ->
         group["params"].append(param)
 
     for name, param in encoder.named_parameters():
-        if param.requires_grad:
+        if param.requires_grad and classic and head_parameter(name):
+            add(param, name, config.objective_lr, "objective", 0)  # the classifier the objective trains
+        elif param.requires_grad:
             depth = encoder_depth(name, num_layers)
             add(param, name, config.lr * config.layer_decay ** (num_layers + 1 - depth), "encoder", depth)
     for name, param in objective.named_parameters():

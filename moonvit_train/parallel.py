@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from moonvit.distributed import Ranks
 
+from .classic import tower_blocks
 from .objectives import Objective, ObjectiveOutput
 
 __all__ = ["Parallel", "TrainModule"]
@@ -55,7 +56,7 @@ class Parallel:
             from torch.distributed.fsdp import fully_shard
 
             mesh = init_device_mesh(device.type, (ranks.world_size,))
-            for block in module.encoder.encoder.blocks:  # type: ignore[union-attr]
+            for block in tower_blocks(module.encoder):
                 fully_shard(block, mesh=mesh)
             fully_shard(module, mesh=mesh)
         elif ranks.distributed:

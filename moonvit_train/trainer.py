@@ -33,6 +33,7 @@ from moonvit.model.projector import MoonViTProjector
 from .batch import Batch, render_pack
 from .build import RunPlan, TrainError
 from .checkpoint import rng_states, set_rng_states
+from .classic import ClassicViT, Encoder
 from .config import TrainConfig
 from .data import TrainingData
 from .ema import WeightEMA
@@ -55,7 +56,7 @@ class Trainer:
         config: TrainConfig,
         ranks: Ranks,
         device: torch.device,
-        encoder: MoonViT,
+        encoder: Encoder,
         processor: MoonViTImageProcessor,
         objective: Objective,
         data: TrainingData,
@@ -263,7 +264,9 @@ class Trainer:
     def export(self) -> list[str]:
         """The encoder in the package's format at ``<out>/checkpoint`` (with the processor's settings), and
         the objective's files beside it. Every rank gathers; the main rank writes. A LoRA run's checkpoint
-        is the tower with its adapters merged in (a plain tower), the adapters alone in ``<out>/adapter``."""
+        is the tower with its adapters merged in (a plain tower), the adapters alone in ``<out>/adapter``.
+        A classic ViT's is its own folder (:meth:`ClassicViT.save_pretrained`: its table at the native size it
+        trained at, its head(s)), which ``MoonViT.from_pretrained`` loads as a classic ViT."""
         out = self.config.run.out
         state = self.parallel.model_state()
         if not self.ranks.is_main:
@@ -272,6 +275,12 @@ class Trainer:
         for name, tensor in state.items():
             part, _, rest = name.partition(".")
             parts[part][rest] = tensor
+        if isinstance(self.encoder, ClassicViT):
+            classic = ClassicViT(dataclasses.replace(self.encoder.config, drop_path_rate=0.0))
+            classic.load_state_dict(parts["encoder"])
+            classic.save_pretrained(out / "checkpoint")
+            self.processor.save_pretrained(out / "checkpoint")
+            return ["checkpoint", *self.objective.save(out, parts["objective"])]
         encoder = MoonViT(dataclasses.replace(self.encoder.config, drop_path_rate=0.0))
         lora = lora_config(self.encoder)
         if lora is not None:

@@ -7,12 +7,21 @@ entry in :data:`OBJECTIVES`; ``python -m moonvit_train --objective NAME`` then r
 from __future__ import annotations
 
 from .base import Objective, ObjectiveOutput
+from .deit import DeiTObjective
 from .distill import DistillObjective
 from .mae import MAEObjective
 from .supervised import SupervisedObjective
 
-__all__ = ["OBJECTIVES", "DistillObjective", "MAEObjective", "Objective", "ObjectiveOutput", "SupervisedObjective"]
+__all__ = [
+    "OBJECTIVES",
+    "DeiTObjective",
+    "DistillObjective",
+    "MAEObjective",
+    "Objective",
+    "ObjectiveOutput",
+    "SupervisedObjective",
+]
 
 OBJECTIVES: dict[str, type[Objective]] = {
-    cls.name: cls for cls in (SupervisedObjective, MAEObjective, DistillObjective)
+    cls.name: cls for cls in (SupervisedObjective, MAEObjective, DistillObjective, DeiTObjective)
 }

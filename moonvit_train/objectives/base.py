@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 import torch
 import torch.nn as nn
 
-from moonvit import MoonViT
-
 from ..batch import Batch
+from ..classic import Encoder
 from ..plan import PlannedTrainImage
 
 if TYPE_CHECKING:
@@ -86,6 +85,8 @@ class Objective(nn.Module, ABC):
     """Stochastic depth at the last block unless ``--drop-path`` says otherwise."""
     calibration_images: int = 0
     """Training images :meth:`calibrate` sees before step 0 (0: no calibration pass)."""
+    grid_unit: int = 1
+    """Every planned grid's sides are multiples of it (besides the encoder's merge kernel): a teacher's merge."""
     Options: ClassVar[type] = NoOptions
     """The dataclass of its own options, one field per flag it adds (same names)."""
 
@@ -106,7 +107,7 @@ class Objective(nn.Module, ABC):
 
     @classmethod
     @abstractmethod
-    def from_config(cls, encoder: MoonViT, classes: Sequence[str], config: TrainConfig) -> Objective:
+    def from_config(cls, encoder: Encoder, classes: Sequence[str], config: TrainConfig) -> Objective:
         """Build for ``encoder`` and a dataset of ``classes`` (empty for unlabelled data)."""
 
     def metrics(self, means: dict[str, float]) -> dict[str, float]:

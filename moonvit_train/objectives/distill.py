@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,7 @@ from moonvit.cli import checkpoint_source, non_negative_float, positive_int
 from moonvit.files import save_safetensors_atomic
 
 from ..batch import Batch, kept_rows
+from ..classic import ClassicViT, Encoder, head_parameter, processor_of
 from ..plan import PlannedTrainImage
 from .base import Objective, ObjectiveOutput
 
@@ -101,9 +103,9 @@ class DistillObjective(Objective):
 
     def __init__(
         self,
-        student: MoonViT,
+        student: Encoder,
         student_processor: MoonViTImageProcessor,
-        teacher: MoonViT,
+        teacher: Encoder,
         teacher_processor: MoonViTImageProcessor,
         teacher_name: str = "teacher",
         cosine_weight: float = 0.9,
@@ -120,6 +122,7 @@ class DistillObjective(Objective):
         self.teacher_name = teacher_name
         self.cosine_weight, self.l1_weight = cosine_weight, l1_weight
         self.calibration_images = calibration_images
+        self.grid_unit = math.lcm(*tc.merge_kernel_size)  # the teacher's grids are whole merges of its own
         self.adapter = Adapter(sc.hidden_size, tc.hidden_size)
         # The teacher's per-channel statistics (the calibration pass fills them; resumed with the state).
         self.register_buffer("teacher_mean", torch.zeros(tc.hidden_size))
@@ -144,7 +147,10 @@ class DistillObjective(Objective):
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
-            "--teacher", type=checkpoint_source, help="the frozen teacher: a checkpoint folder or hub id (distill)"
+            "--teacher",
+            type=checkpoint_source,
+            help="the frozen teacher: a checkpoint folder or hub id (distill); for deit, a classifier: a classic ViT "
+            "/ DeiT folder with its head, or a supervised run's --out",
         )
         parser.add_argument(
             "--cosine-weight", type=non_negative_float, default=0.9,
@@ -171,21 +177,22 @@ class DistillObjective(Objective):
         return config
 
     @classmethod
-    def from_config(cls, encoder: MoonViT, classes: Sequence[str], config: TrainConfig) -> DistillObjective:
+    def from_config(cls, encoder: Encoder, classes: Sequence[str], config: TrainConfig) -> DistillObjective:
         o: DistillObjective.Options = config.options
         assert o.teacher is not None  # check_config refuses a run without one
         from ..build import TrainError
 
         try:
             teacher = MoonViT.from_pretrained(o.teacher, dtype=torch.float32)
-            teacher_processor = MoonViTImageProcessor.from_pretrained(o.teacher)
+            teacher_processor = processor_of(teacher, o.teacher)
         except (CheckpointError, OSError, ValueError) as failure:
             raise TrainError(f"cannot load --teacher {o.teacher}: {failure}") from failure
-        student_processor = (
-            MoonViTImageProcessor.from_pretrained(config.model.checkpoint)
-            if config.model.checkpoint is not None
-            else MoonViTImageProcessor()
-        )
+        student_processor = processor_of(encoder, config.model.checkpoint, config.model.preset)
+        if isinstance(encoder, ClassicViT):
+            # No classifier learns here: a classic tower's head(s) stay as loaded (and, never reaching the loss, out
+            # of DDP's reduction, which a parameter that never gets a gradient would stall)
+            for name, param in encoder.named_parameters():
+                param.requires_grad_(param.requires_grad and not head_parameter(name))
         name = str(o.teacher).rstrip("/").rsplit("/", 1)[-1]
         try:
             return cls(encoder, student_processor, teacher, teacher_processor, name, o.cosine_weight,
@@ -194,7 +201,7 @@ class DistillObjective(Objective):
             raise TrainError(f"--teacher {o.teacher}: {failure}") from failure
 
     @property
-    def teacher(self) -> MoonViT:
+    def teacher(self) -> Encoder:
         return self.__dict__["teacher"]
 
     # ---- the teacher ----------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from moonvit.model.attention import bind_attention, resolve_attn_implementation
 from moonvit.model.blocks import Block, make_norm
 
 from ..batch import Batch, kept_rows
+from ..classic import Encoder
 from ..plan import PlannedTrainImage, TokenDrop
 from .base import Objective, ObjectiveOutput
 
@@ -172,7 +173,15 @@ class MAEObjective(Objective):
         )
 
     @classmethod
-    def from_config(cls, encoder: MoonViT, classes: Sequence[str], config: TrainConfig) -> MAEObjective:
+    def from_config(cls, encoder: Encoder, classes: Sequence[str], config: TrainConfig) -> MAEObjective:
+        """Refuses a classic ViT (the decoder is a MoonViT's blocks, with its RoPE)."""
+        if not isinstance(encoder, MoonViT):
+            from ..build import TrainError
+
+            raise TrainError(
+                "--objective mae pretrains a MoonViT (its decoder is MoonViT's blocks, with 2D RoPE); a classic ViT "
+                "/ DeiT trains with --objective supervised, deit or distill"
+            )
         o: MAEObjective.Options = config.options
         return cls(encoder.config, o.mask_ratio, o.decoder_width, o.decoder_depth, o.decoder_heads, o.norm_pix)
 
