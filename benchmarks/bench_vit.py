@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from common import bf16_or_fp32, host_line, mib, peak_extra_bytes, seconds, write_report
 
 from moonvit import MoonViT
-from moonvit.cli import DTYPES, output_file, positive_int
+from moonvit.cli import DTYPES, add_threads_argument, apply_threads, output_file, positive_int
 from moonvit.media.processor import patchify
 from moonvit.model.attention import attention_names, resolve_attn_implementation
 from moonvit.model.openvino_sdpa import OPENVINO_MIN_PATCHES
@@ -294,7 +294,7 @@ def describe_sizes(sizes: Sequence[tuple[int, int]]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python benchmarks/bench_vit.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--threads", type=positive_int, default=2, help="torch CPU threads (default: 2)")
+    add_threads_argument(parser)
     parser.add_argument(
         "--repeats", type=positive_int, default=None, help="timed runs per contender, after a warm-up (default: 5)"
     )
@@ -335,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args.threads = apply_threads(args.threads)
     depth = args.depth or (2 if args.quick else 12)
     repeats = args.repeats or (1 if args.quick else 5)
     count = args.images or (4 if args.quick else 32)

@@ -490,6 +490,9 @@ def processor_for_config(
             if rule == "native":
                 settings["resample"] = base.resample
     cls = NativeViTImageProcessor if rule == "native" else ClassicViTImageProcessor
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no setting {', '.join(unknown)} (the {rule!r} rule)")
     return cls(**{**settings, **overrides})
 
 
