@@ -184,6 +184,26 @@ def test_a_supervised_run_folder_teaches_with_its_head_file(tmp_path):
         )
 
 
+def test_a_moonvit_run_folder_of_16_px_patches_teaches_on_whole_merges(tmp_path):
+    """A MoonViT run's --out teaches too where its patches are the student's: its logits are its head file's on the
+    patch mean, and the plan then rounds grids to its 2x2 merges (the objective's grid_unit)."""
+    torch.manual_seed(6)
+    tower = MoonViT(preset_config("tiny", patch_size=16))
+    tower.save_pretrained(tmp_path / "run" / "checkpoint")
+    head = SupervisedObjective(64, [str(i) for i in range(10)])
+    head.save(tmp_path / "run", head.state_dict())
+    teacher = load_teacher_classifier(str(tmp_path / "run"))
+    rng = np.random.default_rng(0)
+    pixels = torch.from_numpy(rng.standard_normal((4 + 8, 3, 16, 16)).astype(np.float32))
+    grids = torch.tensor([[1, 2, 2], [1, 2, 4]])
+    grid = tower.prepare_grid(grids)
+    expected = head.classify(tower.eval()(pixels, grid=grid), grid)
+    assert torch.equal(teacher.logits(pixels, grids), expected)
+    student = classic(distillation_token=True, num_classes=10, distilled_head=True)
+    objective = DeiTObjective(student, MoonViTImageProcessor(), teacher, [str(i) for i in range(10)])
+    assert objective.grid_unit == 2
+
+
 def test_the_classic_towers_optimiser_groups():
     """No weight decay on the table and the prefix tokens (nor norms and biases); layer decay by block depth, the
     table and tokens at depth 0; the tower's heads at the objective's rate."""
