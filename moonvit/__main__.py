@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         "workers",
         "max_patches_per_pack",
         "side_limit_mode",
+        "image_rule",
         "seed",
         dtype={"default": "bf16", "help": "compute dtype", "choices": ("bf16", "fp16", "fp32", "fp64")},
         seed={"help": "seed of the random-init preset"},
@@ -137,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.image_rule is not None and not args.checkpoint:
+        parser.error(f"--image-rule {args.image_rule}: a checkpoint's processor rule; a preset reads its family's")
     written: list[Path] = []
     with one_line_warnings(), exit_on(parser, kept=lambda: kept_outputs(written), writing=args.out):
         run(args, written)
@@ -180,13 +183,13 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> None:
     attention += " (auto)" if args.attn == "auto" else ""
     image_files = expand_folders(args.images, IMAGE_EXTENSIONS, "images")
     video_files = expand_folders(args.videos, VIDEO_EXTENSIONS, "videos")
-    overrides = {} if args.side_limit_mode is None else {"side_limit_mode": args.side_limit_mode}
+    overrides: dict[str, Any] = {} if args.side_limit_mode is None else {"side_limit_mode": args.side_limit_mode}
     if args.checkpoint:
         encoder = MoonViT.from_pretrained(
             args.checkpoint, dtype=dtype, device=args.device, attn_implementation=args.attn
         )
         # its own processors (K3: 8 fps, its budgets); a classic ViT's: its patch size, no merger
-        processors = checkpoint_processors(args.checkpoint, encoder.config, **overrides)
+        processors = checkpoint_processors(args.checkpoint, encoder.config, rule=args.image_rule, **overrides)
         processor, video_processor = processors.image, processors.video
         source, family = str(args.checkpoint), None
     else:

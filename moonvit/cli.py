@@ -68,6 +68,7 @@ __all__ = [
     "add_save_layout_argument",
     "add_seed_argument",
     "add_shared_arguments",
+    "add_image_rule_argument",
     "add_side_limit_argument",
     "add_threads_argument",
     "add_workers_argument",
@@ -433,6 +434,20 @@ def add_side_limit_argument(parser: argparse.ArgumentParser | argparse._Argument
     )
 
 
+def add_image_rule_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--image-rule``: which of a checkpoint's processor rules reads the images (a classic ViT / DeiT
+    folder: ``native``, the default, or its checkpoint's fixed ``vit`` / ``deit`` resize; see
+    :func:`moonvit.media.processor_for`); MoonViT folders have one rule, their own."""
+    parser.add_argument(
+        "--image-rule",
+        default=None,
+        metavar="RULE",
+        help="a classic ViT / DeiT folder's processor rule: native (whole patches near each image's own size, "
+        "the default), vit (transformers' ViT resize) or deit (resize and centre crop), each with the folder's "
+        "normalisation (default: native; a MoonViT folder takes its own rule)",
+    )
+
+
 def add_projector_from_argument(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup, what: str = "projector"
 ) -> None:
@@ -470,6 +485,7 @@ SHARED_OPTIONS: dict[str, Callable[..., None]] = {
     "workers": add_workers_argument,
     "max_patches_per_pack": add_budget_argument,
     "side_limit_mode": add_side_limit_argument,
+    "image_rule": add_image_rule_argument,
     "seed": add_seed_argument,
     "opset": add_opset_argument,
     "projector_from": add_projector_from_argument,

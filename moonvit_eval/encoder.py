@@ -60,14 +60,15 @@ def load_frozen_encoder(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     side_limit_mode: str | None = None,
+    image_rule: str | None = None,
     attn: str | None = None,
 ) -> FrozenEncoder:
     """Load a checkpoint folder or hub id, or build a preset with weights drawn after ``torch.manual_seed(seed)``.
 
     Exactly one of ``checkpoint`` and ``preset`` is given; presets have no trained weights, so they
     need ``random_init``. A preset's hash covers its name and seed as well as the weights.
-    ``side_limit_mode`` replaces the processor's setting when given; ``attn``, when given, the
-    encoder's attention backend.
+    ``side_limit_mode`` replaces the processor's setting when given; ``image_rule`` names a classic ViT /
+    DeiT folder's processor rule (None: native); ``attn``, when given, the encoder's attention backend.
 
     Raises:
         ValueError: both or neither source, or a preset without ``random_init``.
@@ -77,12 +78,14 @@ def load_frozen_encoder(
     overrides: dict[str, Any] = {} if side_limit_mode is None else {"side_limit_mode": side_limit_mode}
     if checkpoint is not None:
         model = MoonViT.from_pretrained(checkpoint, dtype=dtype, device=device)  # any registered tower
-        processor = checkpoint_processors(checkpoint, model.config, **overrides).image
+        processor = checkpoint_processors(checkpoint, model.config, rule=image_rule, **overrides).image
         source, prefix = f"checkpoint:{source_label(checkpoint)}", "checkpoint"
     else:
         assert preset is not None
         if not random_init:
             raise ValueError(f"preset {preset!r} has no trained weights; pass --random-init to probe a random encoder")
+        if image_rule is not None:
+            raise ValueError(f"image rule {image_rule!r}: a checkpoint's processor rule; a preset reads its family's")
         torch.manual_seed(seed)
         model = MoonViT.from_preset(preset).to(device=device, dtype=dtype)
         processor = preset_processors(preset, **overrides).image  # the preset's family rule

@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="resize images (bicubic, aspect kept) to this short side before the processor; 0 = native "
         f"(default: {ResizePolicy().short_side})",
     )
-    add_shared_arguments(parser, "max_patches_per_pack", "side_limit_mode")
+    add_shared_arguments(parser, "max_patches_per_pack", "side_limit_mode", "image_rule")
     parser.add_argument(
         "--solver",
         choices=("adamw", "lbfgs"),
@@ -287,6 +287,7 @@ def run(probe: ProbeRun) -> dict[str, Any]:
                 dtype=probe.dtype,
                 device=probe.device,
                 side_limit_mode=probe.side_limit_mode,
+                image_rule=probe.image_rule,
                 attn=probe.attn,
             )
         except moonvit.CheckpointError as error:

@@ -52,6 +52,7 @@ class ProbeRun:
         seed: seed of random init, splits and shuffles.
         resize: the resize before the processor; max_patches_per_pack: the patch budget of one forward.
         side_limit_mode: the processor's ``side_limit_mode`` (None: the checkpoint's).
+        image_rule: a classic ViT / DeiT folder's processor rule by name (None: native).
         baseline: probe raw pixels too, as a baseline row.
         probe: the linear probe's settings; knn, logreg: the other classifiers' (None: skipped).
         knn_columns: the ks of the CSV's kNN columns (present, empty, when the kNN is skipped).
@@ -80,6 +81,7 @@ class ProbeRun:
     resize: ResizePolicy = field(default_factory=ResizePolicy)
     max_patches_per_pack: int = DEFAULT_MAX_PATCHES_PER_PACK
     side_limit_mode: str | None = None
+    image_rule: str | None = None
     baseline: bool = True
     command: str = PROGRAM
 

@@ -426,3 +426,33 @@ def test_position_pictures_of_a_vit_folder(vit, tmp_path):
         out = tmp_path / f"picture{len(extra)}.png"
         pictures_main(["--checkpoint", str(vit), "--out", str(out), *extra])
         assert Image.open(out).size[0] > 0
+
+
+# ---- the processor rule by name on every command ------------------------------------------------------
+
+
+def test_image_rule_picks_the_checkpoint_s_fixed_resize_in_the_main_job_export_and_probe(vit, images, tmp_path):
+    """``--image-rule vit``: every image resized to the checkpoint's 64 px (a 4 x 4 grid, 16 tokens), the
+    rule recorded in run.json's processor (so another rule is another run); on a preset, refused by name."""
+    out = tmp_path / "main"
+    on_one_thread(moonvit_main, ["--checkpoint", str(vit), "--images", str(images[1]), "--image-rule", "vit",
+                                 "--dtype", "fp32", "--out", str(out)])  # fmt: skip
+    merged = load_file(out / "merged.safetensors")
+    assert [tuple(t.shape) for t in merged.values()] == [(16, 1, 64)]
+
+    export = tmp_path / "export"
+    run_export("--inputs", images[0].parent, "--checkpoint", vit, "--out", export, "--store", "merged",
+               "--image-rule", "vit", "--dtype", "fp32")  # fmt: skip
+    run = json.loads((export / "run.json").read_text())
+    assert run["processor"]["rule"] == "vit" and run["arguments"]["image_rule"] == "vit"
+    lines = [json.loads(line) for line in (export / "manifest.jsonl").read_text().splitlines()]
+    assert {line["num_tokens"] for line in lines} == {16}
+
+    encoder = load_frozen_encoder(checkpoint=vit, image_rule="deit")
+    assert isinstance(encoder.processor, ClassicViTImageProcessor) and encoder.processor.rule == "deit"
+    with pytest.raises(ValueError, match="image rule 'vit': a checkpoint's processor rule"):
+        load_frozen_encoder(preset="tiny", random_init=True, image_rule="vit")
+    with pytest.raises(SystemExit):
+        moonvit_main(["--preset", "tiny", "--image-rule", "vit", "--out", str(tmp_path / "preset")])
+    with pytest.raises(CheckpointError, match="unknown processor rule 'bogus'"):
+        checkpoint_processors(vit, ClassicViT.from_pretrained(vit).config, rule="bogus")

@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_shared_arguments(
         parser,
         "side_limit_mode",
+        "image_rule",
         *ENCODER_OPTIONS,
         "workers",
         device={

@@ -80,6 +80,7 @@ def describe_run(run: ExportRun, models: Models, images: Sequence[InputImage], d
             "device": run.device,
             "threads": run.threads,
             "side_limit_mode": run.side_limit_mode,
+            "image_rule": run.image_rule,
             "attn": run.attn,
         },
         "compute": {**compute_facts(device), "attention": _attention(run, models, device)},
@@ -295,7 +296,9 @@ def _for_elsewhere(source: str) -> str:
 
 
 def _processor_overrides(run: ExportRun) -> dict[str, Any]:
-    return {} if run.side_limit_mode is None else {"side_limit_mode": run.side_limit_mode}
+    """The checkpoint processors' settings the command line replaces (``rule``: the ViT rule by name)."""
+    overrides: dict[str, Any] = {} if run.side_limit_mode is None else {"side_limit_mode": run.side_limit_mode}
+    return overrides if run.image_rule is None else {**overrides, "rule": run.image_rule}
 
 
 def export(run: ExportRun, on_pack: Callable[[int], None] | None = None) -> dict[str, Any]:

@@ -42,6 +42,8 @@ class ExportRun:
     """Images per shard."""
     side_limit_mode: str | None = None
     """The processor's ``side_limit_mode`` (error, resize), or None for the checkpoint's."""
+    image_rule: str | None = None
+    """A classic ViT / DeiT folder's processor rule (native, vit, deit), or None for native."""
     device: str = field(default_factory=default_device)
     """cpu, cuda or cuda:N (each torchrun rank takes cuda:LOCAL_RANK)."""
     attn: str = "auto"
