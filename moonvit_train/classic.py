@@ -31,6 +31,7 @@ import torch.nn as nn
 from moonvit import CheckpointError, MoonViT, MoonViTConfig, MoonViTImageProcessor
 from moonvit.families.vit import PRESETS as CLASSIC_PRESETS
 from moonvit.families.vit import ClassicViT, ClassicViTConfig, classic_vit_config
+from moonvit.families.vit.processor import NativeViTImageProcessor
 from moonvit.weights.storage import read_json
 
 if TYPE_CHECKING:
@@ -135,10 +136,11 @@ def resize_table(tower: ClassicViT, image_size: int) -> None:
 
 
 def classic_processor(config: ClassicViTConfig, folder: str | None = None, preset: str | None = None) -> Any:
-    """The processor settings the trainer renders a classic ViT's images with: the checkpoint's (or the
-    preset's) mean and std, ``patch_size`` patches, no merger (1x1)."""
+    """The processor the trainer renders a classic ViT's images with, and saves beside its checkpoint: the
+    tower's native rule (``patch_size`` patches, no merger, no padding) with the checkpoint's (or the
+    preset's) mean and std."""
     mean, std = _normalisation(folder, preset)
-    return MoonViTImageProcessor(patch_size=config.patch_size, merge_kernel_size=(1, 1), image_mean=mean, image_std=std)
+    return NativeViTImageProcessor(patch_size=config.patch_size, image_mean=mean, image_std=std)
 
 
 def processor_of(tower: Any, folder: str | Path | None, preset: str | None = None) -> MoonViTImageProcessor:

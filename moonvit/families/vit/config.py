@@ -175,19 +175,28 @@ SIZES = {
     "huge": (1280, 32, 16),
 }
 
+_TINY: dict[str, Any] = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, image_size=64, patch_size=16
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     # google/vit-base-patch16-224 (as transformers builds it).
     "vit-base-16": dict(num_classes=1000),
     # facebook/deit-base-distilled-patch16-224 (transformers' DeiTForImageClassificationWithTeacher).
     "deit-base-distilled-16": dict(distillation_token=True, num_classes=1000, distilled_head=True),
-    # CPU experiments (Fashion-MNIST at 28 px: patch 4).
+    # CPU experiments (Fashion-MNIST at 28 px: patch 4, a 7 x 7 grid).
     "vit-small-exp": dict(
-        hidden_size=192, num_hidden_layers=6, num_attention_heads=3, intermediate_size=768, layer_norm_eps=1e-6
+        hidden_size=192,
+        num_hidden_layers=6,
+        num_attention_heads=3,
+        intermediate_size=768,
+        layer_norm_eps=1e-6,
+        patch_size=4,
+        image_size=28,
     ),
-    # Tests.
-    "vit-tiny": dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, image_size=64, patch_size=16
-    ),
+    # Tests: a 4 x 4 table at 64 px, and the same with DeiT's tokens and two heads.
+    "vit-tiny": _TINY,
+    "deit-tiny": dict(_TINY, distillation_token=True, num_classes=10, distilled_head=True),
 }
 
 
