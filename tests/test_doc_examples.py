@@ -170,6 +170,18 @@ class Workspace:
         return self.images[0].parent
 
 
+def write_vit_folder(folder: Path) -> None:
+    """google/vit-base-patch16-224's layout at test size: transformers' classifier folder and its processor."""
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessorPil
+
+    torch.manual_seed(0)
+    config = ViTConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=32, num_labels=4
+    )
+    ViTForImageClassification(config).save_pretrained(folder)
+    ViTImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(folder)
+
+
 def build_workspace(root: Path) -> Workspace:
     """Release folders at test size under the relative names the docs use, and the media they name."""
     write_kimi_vl_folder(root / "path/to/Kimi-VL-A3B-Instruct", tiny_model(), text_hidden_size=32)
@@ -181,6 +193,7 @@ def build_workspace(root: Path) -> Workspace:
     k3 = tiny_k3_model(dtype=torch.float32)
     write_k3_release_folder(root / "path/to/Kimi-K3", k3, tiny_k3_projector(k3))
     write_locateanything_folder(root / "path/to/LocateAnything-3B", *tiny_locateanything(dtype=torch.float32))
+    write_vit_folder(root / "path/to/vit-base-patch16-224")
     Image.new("RGB", (70, 42), (200, 40, 90)).save(root / "street.jpg")
     Image.new("RGBA", (30, 58), (20, 90, 200, 128)).save(root / "logo.png")
     if importlib.util.find_spec("av") is not None:  # else the video block is skipped (FILE_NEEDS)
