@@ -240,6 +240,37 @@ class ImageProcessor(Protocol):
         ...
 
 
+def process_images(
+    processor: ImageProcessor,
+    images: ImageInput | Iterable[ImageInput],
+    in_token_limit: int | Sequence[int | None] | None = None,
+) -> ImageBatch:
+    """Any processor's ``__call__``: each image decoded, planned (``in_token_limit``: one budget, or one
+    per image, None meaning the processor's own), rendered and cut into patches, one image at a time;
+    then normalised. ``pixel_values`` (L, 3, p, p) float32 and ``grid_hws`` (N, 2) int64.
+
+    Raises:
+        ImageLoadError: an input cannot be read as an image.
+        ValueError: a list of budgets of another length than the images.
+    """
+    sources = list(image_sources(images))
+    if in_token_limit is None or isinstance(in_token_limit, int):
+        limits: list[int | None] = [in_token_limit] * len(sources)
+    else:
+        limits = list(in_token_limit)
+        if len(limits) != len(sources):
+            raise ValueError(f"got {len(limits)} in_token_limit values for {len(sources)} images")
+    patches, grids = [], []
+    for source, limit in zip(sources, limits):
+        image = processor.load_image(source)
+        plan = processor.plan_image(*image.size, in_token_limit=limit)
+        patches.append(patchify(processor.render(image, plan), processor.patch_size))
+        grids.append(plan.grid_hw)
+    p = processor.patch_size
+    pixels = torch.cat(patches) if patches else torch.empty((0, 3, p, p), dtype=torch.uint8)
+    return ImageBatch(processor.normalize(pixels), torch.tensor(grids, dtype=torch.int64).reshape(-1, 2))
+
+
 @dataclass(frozen=True)
 class MoonViTImageProcessor:
     """Kimi-VL's native-resolution image processor (see the module docstring for the steps).
@@ -465,22 +496,7 @@ class MoonViTImageProcessor:
             ImageLoadError: an input cannot be read as an image.
             ValueError: an image exceeds the position table (see :meth:`plan_image`).
         """
-        sources = list(image_sources(images))
-        if in_token_limit is None or isinstance(in_token_limit, int):
-            limits = [in_token_limit] * len(sources)
-        else:
-            limits = list(in_token_limit)
-            if len(limits) != len(sources):
-                raise ValueError(f"got {len(limits)} in_token_limit values for {len(sources)} images")
-        patches, grids = [], []
-        for source, limit in zip(sources, limits):
-            image = self.load_image(source)
-            plan = self.plan_image(*image.size, in_token_limit=limit)
-            patches.append(patchify(self.render(image, plan), self.patch_size))
-            grids.append(plan.grid_hw)
-        p = self.patch_size
-        pixels = torch.cat(patches) if patches else torch.empty((0, 3, p, p), dtype=torch.uint8)
-        return ImageBatch(self.normalize(pixels), torch.tensor(grids, dtype=torch.int64).reshape(-1, 2))
+        return process_images(self, images, in_token_limit)
 
     @staticmethod
     def render(image: Image.Image, plan: ImagePlan) -> torch.Tensor:

@@ -35,23 +35,24 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
 from PIL import Image
 
 from ...files import write_text_atomic
-from ...media.image import ImageInput, image_sources, load_image
+from ...media.image import ImageInput, load_image
 from ...media.processor import (
     CONFIG_NAME,
     ImageBatch,
     ImagePlan,
+    ImageProcessor,
     MoonViTImageProcessor,
     _as_tuple,
     _check_choice,
     _check_positive_int,
-    patchify,
+    process_images,
     unpatchify,
 )
 from ...media.selection import register_processor_loader
@@ -155,22 +156,7 @@ class _PatchRule:
         Raises:
             ImageLoadError: an input cannot be read as an image.
         """
-        sources = list(image_sources(images))
-        if in_token_limit is None or isinstance(in_token_limit, int):
-            limits: list[int | None] = [in_token_limit] * len(sources)
-        else:
-            limits = list(in_token_limit)
-            if len(limits) != len(sources):
-                raise ValueError(f"got {len(limits)} in_token_limit values for {len(sources)} images")
-        patches, grids = [], []
-        for source, limit in zip(sources, limits):
-            image = self.load_image(source)
-            plan = self.plan_image(*image.size, in_token_limit=limit)
-            patches.append(patchify(self.render(image, plan), self.patch_size))
-            grids.append(plan.grid_hw)
-        p = self.patch_size
-        pixels = torch.cat(patches) if patches else torch.empty((0, 3, p, p), dtype=torch.uint8)
-        return ImageBatch(self.normalize(pixels), torch.tensor(grids, dtype=torch.int64).reshape(-1, 2))
+        return process_images(cast(ImageProcessor, self), images, in_token_limit)  # each subclass is one
 
     def render(self, image: Image.Image, plan: ImagePlan) -> torch.Tensor:
         """Resize (Pillow, ``resample``, on the uint8 image) and crop an RGB image as ``plan`` says:
