@@ -93,18 +93,7 @@ def build_encoder(config: TrainConfig) -> tuple[Encoder, MoonViTImageProcessor]:
 def _moonvit_preset(config: TrainConfig) -> MoonViT:
     """A MoonViT preset, its shape overridden by ``--depth`` ... ``--pos-emb-size``, drawn from torch's generator."""
     model = config.model
-    overrides = {
-        field: value
-        for field, value in (
-            ("num_hidden_layers", model.depth),
-            ("hidden_size", model.width),
-            ("num_attention_heads", model.heads),
-            ("intermediate_size", model.mlp_width),
-            ("init_pos_emb_height", model.pos_emb_size),
-            ("init_pos_emb_width", model.pos_emb_size),
-        )
-        if value is not None
-    }
+    overrides = model.shape_overrides(init_pos_emb_height=model.pos_emb_size, init_pos_emb_width=model.pos_emb_size)
     assert model.preset is not None
     try:
         model_config = preset_config(model.preset, drop_path_rate=model.drop_path, **overrides)

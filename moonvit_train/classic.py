@@ -106,17 +106,7 @@ def classic_tower(model: ModelSection, loaded: ClassicViT | None) -> ClassicViT:
             f"--pos-emb-size shapes a MoonViT's 2D table; {model.preset}'s 1D table follows --image-size "
             "(its side in px, a multiple of the patch)"
         )
-    overrides = {
-        field: value
-        for field, value in (
-            ("num_hidden_layers", model.depth),
-            ("hidden_size", model.width),
-            ("num_attention_heads", model.heads),
-            ("intermediate_size", model.mlp_width),
-            ("image_size", model.image_size),
-        )
-        if value is not None
-    }
+    overrides = model.shape_overrides(image_size=model.image_size)
     assert model.preset is not None
     try:
         return ClassicViT(classic_vit_config(model.preset, drop_path_rate=model.drop_path, **overrides))

@@ -137,6 +137,18 @@ class ModelSection:
     lora_dropout: float | None = None
     lora_targets: tuple[str, ...] | None = None
 
+    def shape_overrides(self, **table_fields: int | None) -> dict[str, int]:
+        """The preset's config fields that ``--depth``, ``--width``, ``--heads``, ``--mlp-width`` (and the
+        family's table fields, ``table_fields``) replace: those given."""
+        fields = {
+            "num_hidden_layers": self.depth,
+            "hidden_size": self.width,
+            "num_attention_heads": self.heads,
+            "intermediate_size": self.mlp_width,
+            **table_fields,
+        }
+        return {name: value for name, value in fields.items() if value is not None}
+
 
 @dataclass(frozen=True)
 class DataSection:
