@@ -360,7 +360,11 @@ def locality(table: torch.Tensor, far: int = FAR) -> dict[str, Any]:
     (Chebyshev distance); ``nearest_is_neighbour``: the share of positions whose most similar other
     row is a 4-neighbour's (a table that knows nothing of 2D: about the neighbours' share of the
     other rows, 168 / 2352 = 7% on 7 x 7); ``by_distance``: the mean similarity at each Manhattan
-    distance 1, 2, ... (a list).
+    distance 1, 2, ... (a list); ``directions``: the mean similarity one step up or down
+    (``above_below``: for a 1D table, rows ``W`` apart in its list), one step left or right
+    (``beside``: adjacent rows of the list), one step diagonally (``diagonal``: two steps away off
+    the row and column), and two steps away in the same row or column (``in_line_2``: above
+    ``diagonal`` where the table has the paper's row-column structure).
     """
     h, w, _ = table.shape
     sim = position_similarity(table).reshape(h * w, h * w).double()
@@ -377,6 +381,15 @@ def locality(table: torch.Tensor, far: int = FAR) -> dict[str, Any]:
         "far": float(sim[far_apart].mean()) if far_apart.any() else math.nan,
         "nearest_is_neighbour": float(neighbour[torch.arange(h * w), nearest].double().mean()),
         "by_distance": [float(sim[manhattan == d].mean()) for d in range(1, int(manhattan.max()) + 1)],
+        "directions": {
+            name: float(sim[mask].mean()) if mask.any() else math.nan
+            for name, mask in (
+                ("above_below", (dy == 1) & (dx == 0)),
+                ("beside", (dy == 0) & (dx == 1)),
+                ("diagonal", (dy == 1) & (dx == 1)),
+                ("in_line_2", (manhattan == 2) & ((dy == 0) | (dx == 0))),
+            )
+        },
     }
 
 
@@ -530,7 +543,8 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
     ]
     for row in rows:
         by_distance = ", ".join(f"{v:.3f}" for v in row["locality"]["by_distance"])
-        lines.append(f"{row['tower']}: table similarity by Manhattan distance 1, 2, ...: {by_distance}")
+        directions = ", ".join(f"{k} {v:.3f}" for k, v in row["locality"]["directions"].items())
+        lines.append(f"{row['tower']}: table similarity by Manhattan distance 1, 2, ...: {by_distance}; {directions}")
     log("")
     for line in lines:
         log(line)

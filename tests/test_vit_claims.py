@@ -149,6 +149,21 @@ def test_locality_is_the_brute_force_count():
     assert found["far"] == pytest.approx(expected[1], abs=1e-6)
     assert found["nearest_is_neighbour"] == pytest.approx(expected[2])
     assert len(found["by_distance"]) == 5  # Manhattan distances 1..5 on 3 x 4
+    flat = F.normalize(table.reshape(12, 6).double(), dim=1)
+
+    def cos(a: tuple[int, int], b: tuple[int, int]) -> float:
+        return float(flat[a[0] * 4 + a[1]] @ flat[b[0] * 4 + b[1]])
+
+    directions = found["directions"]
+    # 3 x 4: 8 vertical pairs, 9 horizontal, 12 diagonal (each counted both ways, the same mean)
+    assert directions["above_below"] == pytest.approx(
+        np.mean([cos((y, x), (y + 1, x)) for y in range(2) for x in range(4)])
+    )
+    assert directions["beside"] == pytest.approx(np.mean([cos((y, x), (y, x + 1)) for y in range(3) for x in range(3)]))
+    diagonal = [cos((y, x), (y + 1, x + d)) for y in range(2) for x in range(4) for d in (-1, 1) if 0 <= x + d < 4]
+    assert directions["diagonal"] == pytest.approx(np.mean(diagonal))
+    in_line = [cos((y, x), (y, x + 2)) for y in range(3) for x in range(2)] + [cos((0, x), (2, x)) for x in range(4)]
+    assert directions["in_line_2"] == pytest.approx(np.mean(in_line))
 
 
 def test_locality_tells_a_smooth_table_from_a_random_one():
