@@ -60,9 +60,6 @@ from moonvit.cli import (
     positive_int,
 )
 from moonvit.families.vit import ClassicViT, ClassicViTConfig
-from moonvit.families.vit.model import _item_means as item_means
-from moonvit.model.encoder import MoonViTOutput
-from moonvit.model.grid import PackedGrid, PrefixedPack
 from moonvit_eval.datasets import DEFAULT_FASHION_MNIST_DIR, load_dataset
 from moonvit_eval.pictures import grid_table, position_similarity, save_table_similarity
 from moonvit_train.optim import build_schedule
@@ -201,27 +198,6 @@ class MeanPoolClassifier(nn.Module):
         return self.head(sums / counts[:, None].to(rows.dtype))
 
 
-class GapViT(ClassicViT):
-    """A classic ViT without prefix tokens whose forward runs: :meth:`ClassicViT._outputs` views the
-    empty prefix rows as (N, 0, -1), which torch refuses (-1 is ambiguous for 0 elements); here the
-    prefix is (N, 0, D) and the rest is the parent's GAP path. Saved and loaded as a ClassicViT."""
-
-    def _outputs(
-        self, tokens: torch.Tensor, pack: PrefixedPack, grid: PackedGrid, hidden_states: tuple[torch.Tensor, ...] | None
-    ) -> MoonViTOutput:
-        if self.config.num_prefix_tokens:
-            return super()._outputs(tokens, pack, grid, hidden_states)
-        pooled = item_means(tokens, grid)  # (N, D): with no prefix the token rows are the patch rows
-        return MoonViTOutput(
-            last_hidden_state=tokens,
-            merged=None if grid.dropped else tokens.unsqueeze(1),
-            hidden_states=hidden_states,
-            prefix_tokens=tokens.new_zeros(grid.num_images, 0, tokens.shape[1]),
-            pooled=pooled,
-            logits=None if self.head is None else self.head(pooled),
-        )
-
-
 def build_tower(name: str, budget: Budget) -> nn.Module:
     """A tower of :data:`TOWERS` at ``budget``'s shape, one-channel input, with a 10-class head;
     its weights drawn from ``budget.seed``."""
@@ -238,8 +214,7 @@ def build_tower(name: str, budget: Budget) -> nn.Module:
     )
     if name in ("cls", "gap"):
         pooling: dict[str, Any] = dict(pool="token") if name == "cls" else dict(class_token=False, pool="avg")
-        tower = ClassicViT if name == "cls" else GapViT
-        return tower(ClassicViTConfig(image_size=budget.image, num_classes=CLASSES, **pooling, **shared))
+        return ClassicViT(ClassicViTConfig(image_size=budget.image, num_classes=CLASSES, **pooling, **shared))
     if name == "moonvit":
         config = MoonViTConfig(
             merge_kernel_size=(1, 1), init_pos_emb_height=budget.grid, init_pos_emb_width=budget.grid, **shared
