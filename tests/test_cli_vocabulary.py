@@ -92,6 +92,7 @@ BENCHMARK_SCRIPTS = (
     "bench_vit",
     "cuda_check",
     "gemm_rates",
+    "vit_claims",
 )
 
 
