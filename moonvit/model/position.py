@@ -105,6 +105,19 @@ def resample_taps(
     return taps, weights
 
 
+def table_cache_key(weight: torch.Tensor) -> tuple | None:
+    """The identity of a position table's weight now (object, storage, version, dtype, device), under
+    which its resampled rows may be cached; None where they must not be: while the table trains
+    (autograd records), under a tracer, for an inference tensor, or a weight with no storage
+    (functorch-wrapped). An in-place change bumps the version; ``.data`` writes do not."""
+    if is_traced() or (torch.is_grad_enabled() and weight.requires_grad) or weight.is_inference():
+        return None
+    try:
+        return (id(weight), weight.data_ptr(), weight._version, weight.dtype, weight.device)
+    except RuntimeError:  # functorch-wrapped or storage-less weights
+        return None
+
+
 class LearnablePositionTable(nn.Module):
     """A learnable (height, width, dim) table resampled to every image's grid.
 
@@ -174,15 +187,9 @@ class LearnablePositionTable(nn.Module):
 
     def _cache_key_now(self, sizes: Sequence[tuple[int, int]] | None) -> tuple | None:
         """The weight's identity now, or None when the cache must not be used for this call."""
-        w = self.weight
-        if not sizes or self.cache_patches <= 0 or is_traced():
+        if not sizes or self.cache_patches <= 0:
             return None
-        if (torch.is_grad_enabled() and w.requires_grad) or w.is_inference():
-            return None
-        try:
-            return (id(w), w.data_ptr(), w._version, w.dtype, w.device)
-        except RuntimeError:  # functorch-wrapped or storage-less weights
-            return None
+        return table_cache_key(self.weight)
 
     def _store(self, entries: dict[tuple[int, int], torch.Tensor]) -> None:
         """Insert one pack's sizes, evicting the least recently used others to make room."""

@@ -43,7 +43,7 @@ from ...model.grid import (
     validate_grid_thws,
 )
 from ...model.linear import computes_in_float32, linear
-from ...model.tracing import is_traced
+from ...model.position import table_cache_key
 from .config import ClassicViTConfig
 
 MLP_CHUNK_BYTES = 16 * 2**20
@@ -294,9 +294,7 @@ class ClassicViT(nn.Module):
     def _positions(self, grid: PackedGrid) -> torch.Tensor:
         """(L, D) the table rows of every patch of the pack: each of the pack's distinct grid sizes
         resampled once (and kept, for fixed weights, per size), each row reading its entry."""
-        w = self.pos_embed
-        cacheable = not (torch.is_grad_enabled() and w.requires_grad) and not is_traced()
-        key = (id(w), w.data_ptr(), w._version, w.dtype, w.device) if cacheable else None
+        key = table_cache_key(self.pos_embed)
         parts = []
         for rows, cols in grid.pos_emb_sizes:
             table = None
