@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 from PIL import Image
 from safetensors.torch import save_file
 
@@ -56,6 +57,19 @@ def assert_close_across_shapes(actual: torch.Tensor, expected: torch.Tensor, mes
     """``actual`` equals ``expected`` to the float error of other kernels (:data:`ACROSS_SHAPES`)."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, message
     torch.testing.assert_close(actual, expected, **ACROSS_SHAPES[actual.dtype], msg=message or None)
+
+
+def randomise_(module: nn.Module, seed: int = 0, std: float = 0.2) -> nn.Module:
+    """A tower of another family (the classic ViT) randomised: every parameter normal with ``std``
+    (LayerNorm scales 1 + that), its tokens, table and biases too."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(module.named_parameters()):
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float64) * std
+            owner = module.get_submodule(name.rpartition(".")[0])
+            scale = isinstance(owner, nn.LayerNorm) and name.endswith("weight")
+            param.copy_((1.0 + noise) if scale else noise)
+    return module
 
 
 def randomize_(model: MoonViT, seed: int = 0) -> MoonViT:

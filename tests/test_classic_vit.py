@@ -30,9 +30,8 @@ import numpy as np
 import pytest
 import scipy.ndimage
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from helpers import FLEX
+from helpers import FLEX, randomise_
 from reference_vit import TimmViT, resample_abs_pos_embed, save_timm_folder
 from safetensors.torch import load_file, save_file
 from transformers import (
@@ -65,18 +64,6 @@ for a script that runs these tests and prints them."""
 
 
 # ---- shared builders ---------------------------------------------------------------------------
-
-
-def randomise_(module: nn.Module, seed: int = 0, std: float = 0.2) -> nn.Module:
-    """Every parameter normal with ``std`` (LayerNorm scales 1 + that): tokens, table and biases too."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(module.named_parameters()):
-            noise = torch.randn(param.shape, generator=generator, dtype=torch.float64) * std
-            owner = module.get_submodule(name.rpartition(".")[0])
-            scale = isinstance(owner, nn.LayerNorm) and name.endswith("weight")
-            param.copy_((1.0 + noise) if scale else noise)
-    return module
 
 
 def make_images(grids: list[tuple[int, int]], seed: int = 1, dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:

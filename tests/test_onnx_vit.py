@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import randomise_
 from transformers import ViTConfig, ViTForImageClassification
 
 from moonvit import MoonViT
@@ -45,18 +46,6 @@ INTERPOLATE = {
     "timm": dict(mode="bicubic", antialias=True, align_corners=False),
     "jax": dict(mode="bilinear", align_corners=True),
 }
-
-
-def randomise_(module: nn.Module, seed: int = 0, std: float = 0.2) -> nn.Module:
-    """Every parameter normal with ``std`` (LayerNorm scales 1 + that): tokens, table and biases too."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(module.named_parameters()):
-            noise = torch.randn(param.shape, generator=generator, dtype=torch.float64) * std
-            owner = module.get_submodule(name.rpartition(".")[0])
-            scale = isinstance(owner, nn.LayerNorm) and name.endswith("weight")
-            param.copy_((1.0 + noise) if scale else noise)
-    return module
 
 
 def tower(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> ClassicViT:
