@@ -45,9 +45,10 @@ class Family:
         claims: ``claims(values)``: whether a ``config.json`` dict is this family's.
         read: ``read(values, where, names)``: the tower's config and the layout of its tensors
             (an object with ``name``, ``prefix`` and ``source(model_name)``, as
-            :class:`~moonvit.weights.formats.TowerLayout`), from the ``config.json`` dict read from
-            ``where`` and the folder's tensor names (read from the folder on first use; empty
-            before a hub snapshot has them). Raises ValueError naming what it cannot read (a
+            :class:`~moonvit.weights.formats.TowerLayout`, and optionally ``unused(name)``: tensors
+            under ``prefix`` the tower knows and does not read, as DINOv2's mask token), from the
+            ``config.json`` dict read from ``where`` and the folder's tensor names (read from the
+            folder on first use; empty before a hub snapshot has them). Raises ValueError naming what it cannot read (a
             :class:`~moonvit.weights.formats.TensorLayoutError` where the tensors, not the
             ``config.json``, are at fault).
         build: ``build(config)``: the tower module (built on the meta device by the loader).

@@ -176,7 +176,11 @@ def load_pretrained(
     build = tower_builder(config, cls)
     with torch.device("meta"):
         model = build(config)
-    return assign_from_files(model, tensor_files(folder, layout.prefix), layout.source, folder, dtype, device)
+    files = tensor_files(folder, layout.prefix)
+    unused = getattr(layout, "unused", None)  # tensors a layout knows the tower does not read (DINOv2's mask token)
+    if unused is not None:
+        files = {file: [name for name in names if not unused(name)] for file, names in files.items()}
+    return assign_from_files(model, files, layout.source, folder, dtype, device)
 
 
 M = TypeVar("M", bound=nn.Module)

@@ -12,17 +12,25 @@ from ...files import write_text_atomic
 from ...model.attention import check_attn_name
 from ...model.config import DictConfig, matmul_flops
 
-POS_EMB_RULES = ("transformers", "timm", "jax")
+POS_EMB_RULES = ("transformers", "transformers-f32", "timm", "jax", "naflex")
 """How a checkpoint's own code resamples its table's patch rows to another grid:
 
 - ``transformers``: ``interpolate_pos_encoding``: bicubic, ``align_corners=False``, no antialias,
   in the table's dtype; the table unchanged at its native square grid.
 - ``timm``: ``resample_abs_pos_embed``: bicubic with ``antialias=True`` (PIL's cubic kernel,
   a = -0.5, whether the grid grows or shrinks), computed in float32.
+- ``transformers-f32``: ``Dinov2Model``'s: the same bicubic, computed in float32.
+- ``timm``: ``resample_abs_pos_embed``: bicubic with ``antialias=True`` (PIL's cubic kernel,
+  a = -0.5, whether the grid grows or shrinks), computed in float32; also transformers'
+  ``Dinov2WithRegistersModel``.
 - ``jax``: the original code's ``scipy.ndimage.zoom(order=1)``: a linear spline through the
   corner rows (bilinear with ``align_corners=True``), in float32.
+- ``naflex``: SigLIP2 NaFlex's ``resize_positional_embeddings``: bilinear with ``antialias=True``,
+  ``align_corners=False``, computed in float32 for every grid (the native one included).
 """
-POOLS = ("token", "avg")
+POOLS = ("token", "avg", "map")
+ACTIVATIONS = ("gelu", "gelu_tanh")
+MLP_TYPES = ("mlp", "swiglu")
 
 
 @dataclass
@@ -42,6 +50,20 @@ class ClassicViTConfig(DictConfig):
       on the distillation token, the logits the mean of the two (DeiT with teacher).
     - ``pooler``: transformers' ``ViTModel`` pooler (dense + tanh on the CLS row), kept where a
       folder has it and returned as ``pooler_output``.
+
+    The same tower runs the ViTs that VLM and VLA stacks load (SigLIP, SigLIP2, DINOv2):
+
+    - ``hidden_act``: ``"gelu"`` (exact, erf) or ``"gelu_tanh"`` (SigLIP's);
+    - ``mlp_type``: ``"mlp"`` (fc1, GELU, fc2) or ``"swiglu"`` (DINOv2 giant's: ``fc1`` gives
+      [gate | up], each ``intermediate_size`` wide; ``fc2(silu(gate) * up)``);
+    - ``layer_scale``: a learned per-channel scale on each residual branch (DINOv2's LayerScale,
+      ``ls1.gamma`` / ``ls2.gamma``, initialised to ``layer_scale_init``);
+    - ``num_register_tokens``: register tokens after the CLS token (DINOv2 with registers), with
+      no table row of their own;
+    - ``no_embed_class``: the table has rows for the patches only (timm's DINOv2 with registers);
+      else the CLS and distillation tokens have a row each, ahead of the patches';
+    - ``pool "map"``: ``pooled`` is the MAP head's output (SigLIP's ``attn_pool``: a learned query
+      attending over the item's patch rows after the final norm, then a residual MLP).
     """
 
     patch_size: int = 16
@@ -60,6 +82,12 @@ class ClassicViTConfig(DictConfig):
     distilled_head: bool = False
     pooler: bool = False
     pos_emb_rule: str = "transformers"
+    hidden_act: str = "gelu"
+    mlp_type: str = "mlp"
+    layer_scale: bool = False
+    layer_scale_init: float = 1e-5
+    num_register_tokens: int = 0
+    no_embed_class: bool = False
     max_grid_side: int = 512
     drop_path_rate: float = 0.0
     attn_implementation: str = "auto"
@@ -80,6 +108,18 @@ class ClassicViTConfig(DictConfig):
             raise ValueError(f"pos_emb_rule {self.pos_emb_rule!r} is not one of {', '.join(POS_EMB_RULES)}")
         if self.pool not in POOLS:
             raise ValueError(f"pool {self.pool!r} is not one of {', '.join(POOLS)}")
+        for name, value, choices in (
+            ("hidden_act", self.hidden_act, ACTIVATIONS),
+            ("mlp_type", self.mlp_type, MLP_TYPES),
+        ):
+            if value not in choices:
+                raise ValueError(f"{name} {value!r} is not one of {', '.join(choices)}")
+        if not isinstance(self.num_register_tokens, int) or self.num_register_tokens < 0:
+            raise ValueError(f"num_register_tokens must be an int >= 0, got {self.num_register_tokens!r}")
+        if self.num_register_tokens and not self.class_token:
+            raise ValueError("register tokens come after the class token: class_token must be true")
+        if self.num_register_tokens and self.distillation_token:
+            raise ValueError("a tower has a distillation token (DeiT) or register tokens (DINOv2), not both")
         if self.pool == "token" and not self.class_token:
             raise ValueError("pool 'token' needs the class token (class_token true), or use pool 'avg'")
         if self.distillation_token and not self.class_token:
@@ -137,17 +177,33 @@ class ClassicViTConfig(DictConfig):
 
     @property
     def num_prefix_tokens(self) -> int:
-        """The prefix tokens of each item: CLS, then DeiT's distillation token."""
-        return int(self.class_token) + int(self.distillation_token)
+        """The prefix tokens of each item: CLS, then DeiT's distillation token or the registers."""
+        return int(self.class_token) + int(self.distillation_token) + self.num_register_tokens
+
+    @property
+    def num_table_prefix_rows(self) -> int:
+        """The table's rows ahead of the patches': one per CLS / distillation token (registers have
+        none), none with ``no_embed_class``."""
+        return 0 if self.no_embed_class else int(self.class_token) + int(self.distillation_token)
 
     def describe(self) -> str:
         """The tower's shape in one line."""
-        prefix = {0: "GAP", 1: "CLS", 2: "CLS + distillation"}[self.num_prefix_tokens]
+        tokens = ["CLS"] * self.class_token + ["distillation"] * self.distillation_token
+        tokens += [f"{self.num_register_tokens} registers"] * bool(self.num_register_tokens)
+        prefix = " + ".join(tokens) or "no prefix"
+        pool = {"token": "", "avg": ", mean-pooled", "map": ", MAP head"}[self.pool]
         head = f", head {self.num_classes}" + (" x 2" if self.distilled_head else "") if self.num_classes else ""
+        extras = "".join(
+            [
+                ", SwiGLU" * (self.mlp_type == "swiglu"),
+                ", LayerScale" * self.layer_scale,
+                ", tanh GELU" * (self.hidden_act == "gelu_tanh"),
+            ]
+        )
         return (
-            f"classic ViT: {self.num_hidden_layers} blocks x {self.hidden_size} ({self.num_attention_heads} heads, "
-            f"MLP {self.intermediate_size}), patch {self.patch_size}, {prefix}, 1D table {self.grid_side}x"
-            f"{self.grid_side} + {self.num_prefix_tokens} ({self.pos_emb_rule}){head}"
+            f"ViT: {self.num_hidden_layers} blocks x {self.hidden_size} ({self.num_attention_heads} heads, "
+            f"MLP {self.intermediate_size}{extras}), patch {self.patch_size}, {prefix}{pool}, 1D table "
+            f"{self.grid_side}x{self.grid_side} + {self.num_table_prefix_rows} ({self.pos_emb_rule}){head}"
         )
 
     def switches(self) -> dict[str, Any]:
@@ -158,7 +214,11 @@ class ClassicViTConfig(DictConfig):
         layers = self.num_hidden_layers if depth is None else depth
         tokens = [n + self.num_prefix_tokens for n in seqlens]
         embed = 2.0 * sum(seqlens) * self.num_channels * self.patch_size**2 * self.hidden_size
-        blocks = matmul_flops(tokens, self.hidden_size, self.intermediate_size, layers, 1, None, 0)
+        # SwiGLU's fc1 is two projections of intermediate_size: 1.5 times a plain MLP's of that width
+        mlp_width = self.intermediate_size * (3 if self.mlp_type == "swiglu" else 2) // 2
+        blocks = matmul_flops(tokens, self.hidden_size, mlp_width, layers, 1, None, 0)
+        if self.pool == "map":  # the MAP head: k, v of every patch row, then one query per item
+            blocks += 4.0 * sum(seqlens) * self.hidden_size**2
         return embed + blocks
 
     def save(self, folder: str | Path) -> None:

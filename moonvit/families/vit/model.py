@@ -52,23 +52,25 @@ _CACHED_SIZES = 64  # resampled tables kept per tower (a few MB each at ViT-B)
 
 def resample_table(table: torch.Tensor, rows: int, cols: int, rule: str) -> torch.Tensor:
     """The (G, G, D) patch part of a 1D table resampled to a ``rows`` x ``cols`` grid: (rows * cols, D),
-    in the table's dtype, by ``rule`` (``transformers``, ``timm`` or ``jax``; see
-    :data:`~moonvit.families.vit.config.POS_EMB_RULES`)."""
+    in the table's dtype, by ``rule`` (see :data:`~moonvit.families.vit.config.POS_EMB_RULES`)."""
     side, dim = table.shape[0], table.shape[-1]
-    if (rows, cols) == (table.shape[0], table.shape[1]) and side == table.shape[1]:
+    if (rows, cols) == (table.shape[0], table.shape[1]) and side == table.shape[1] and rule != "naflex":
         return table.reshape(rows * cols, dim)
     # (1, D, G, G) in channels-last memory, as timm's and transformers' reshape + permute hand it over:
     # torch's antialiased CPU kernel (2.13) gives other, wrong, values for a one-column grid (3x1, 6x1)
     # from an NCHW-contiguous input; the channels-last path gives PIL's (and timm's) values.
     grid = table.unsqueeze(0).permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
+    wide = grid.to(torch.promote_types(grid.dtype, torch.float32))
     if rule == "transformers":
         out = F.interpolate(grid, size=(rows, cols), mode="bicubic", align_corners=False)
+    elif rule == "transformers-f32":
+        out = F.interpolate(grid.float(), size=(rows, cols), mode="bicubic", align_corners=False)
     elif rule == "timm":
-        wide = grid.to(torch.promote_types(grid.dtype, torch.float32))
         out = F.interpolate(wide, size=(rows, cols), mode="bicubic", antialias=True, align_corners=False)
     elif rule == "jax":
-        wide = grid.to(torch.promote_types(grid.dtype, torch.float32))
         out = F.interpolate(wide, size=(rows, cols), mode="bilinear", align_corners=True)
+    elif rule == "naflex":
+        out = F.interpolate(grid.float(), size=(rows, cols), mode="bilinear", antialias=True, align_corners=False)
     else:
         raise ValueError(f"unknown table rule {rule!r}")
     return out.to(table.dtype).squeeze(0).permute(1, 2, 0).reshape(rows * cols, dim)
@@ -103,11 +105,14 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-    """fc2(gelu(fc1(x))) with the exact (erf) GELU (+ a residual), over row chunks."""
+    """fc2(act(fc1(x))) (+ a residual), over row chunks: the GELU (exact or tanh) MLP, or SwiGLU
+    (``fc1`` gives [gate | up], ``fc2(silu(gate) * up)``; DINOv2 giant's)."""
 
-    def __init__(self, dim: int, hidden_dim: int) -> None:
+    def __init__(self, dim: int, hidden_dim: int, act: str = "gelu", kind: str = "mlp") -> None:
         super().__init__()
-        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.kind = kind
+        self.approximate = "tanh" if act == "gelu_tanh" else "none"
+        self.fc1 = nn.Linear(dim, hidden_dim * (2 if kind == "swiglu" else 1))
         self.fc2 = nn.Linear(hidden_dim, dim)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,11 +122,26 @@ class Mlp(nn.Module):
         return map_row_chunks(self._mlp, x, residual, row_bytes=row_bytes, budget=MLP_CHUNK_BYTES)
 
     def _mlp(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(self.fc2, linear(self.fc1, x, gelu="none"), residual=residual)
+        if self.kind == "swiglu":
+            gate, up = linear(self.fc1, x).chunk(2, dim=-1)
+            return linear(self.fc2, F.silu(gate) * up, residual=residual)
+        return linear(self.fc2, linear(self.fc1, x, gelu=self.approximate), residual=residual)
+
+
+class LayerScale(nn.Module):
+    """x * gamma, a learned per-channel scale on a residual branch (DINOv2's; timm's ``ls1.gamma``)."""
+
+    def __init__(self, dim: int, init: float) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), float(init)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma.to(x.dtype)
 
 
 class ViTBlock(nn.Module):
-    """x + attn(norm1(x)), then x + mlp(norm2(x)) (pre-LN), on the pack's (T, D) token rows."""
+    """x + attn(norm1(x)), then x + mlp(norm2(x)) (pre-LN; each branch LayerScaled where the config
+    says), on the pack's (T, D) token rows."""
 
     def __init__(self, config: ClassicViTConfig, drop_path: float = 0.0) -> None:
         super().__init__()
@@ -129,18 +149,69 @@ class ViTBlock(nn.Module):
         self.drop_path = drop_path
         self.norm1 = nn.LayerNorm(dim, eps=eps)
         self.attn = Attention(dim, config.num_attention_heads, config.qkv_bias)
+        self.ls1 = LayerScale(dim, config.layer_scale_init) if config.layer_scale else None
         self.norm2 = nn.LayerNorm(dim, eps=eps)
-        self.mlp = Mlp(dim, config.intermediate_size)
+        self.mlp = Mlp(dim, config.intermediate_size, config.hidden_act, config.mlp_type)
+        self.ls2 = LayerScale(dim, config.layer_scale_init) if config.layer_scale else None
 
     def forward(self, x: torch.Tensor, attend: BoundAttention, tokens: PackedGrid | None = None) -> torch.Tensor:
         """(T, D) token rows; ``tokens``: the token sequence's grid, for per-item stochastic depth in training."""
+        if self.ls1 is not None and self.ls2 is not None:
+            x = x + self._dropped(self.ls1(self.attn(self.norm1(x), attend)), tokens)
+            return x + self._dropped(self.ls2(self.mlp(self.norm2(x))), tokens)
         if self.training and self.drop_path > 0:
-            if tokens is None:
-                raise ValueError("stochastic depth draws per image: pass the token grid")
-            x = x + drop_path_per_item(self.attn(self.norm1(x), attend), tokens, self.drop_path)
-            return x + drop_path_per_item(self.mlp(self.norm2(x)), tokens, self.drop_path)
+            x = x + self._dropped(self.attn(self.norm1(x), attend), tokens)
+            return x + self._dropped(self.mlp(self.norm2(x)), tokens)
         x = self.attn(self.norm1(x), attend, residual=x)
         return self.mlp(self.norm2(x), residual=x)
+
+    def _dropped(self, branch: torch.Tensor, tokens: PackedGrid | None) -> torch.Tensor:
+        """A residual branch with stochastic depth (per item, in training)."""
+        if not (self.training and self.drop_path > 0):
+            return branch
+        if tokens is None:
+            raise ValueError("stochastic depth draws per image: pass the token grid")
+        return drop_path_per_item(branch, tokens, self.drop_path)
+
+
+class AttentionPool(nn.Module):
+    """The MAP head (SigLIP's; timm's ``AttentionPoolLatent``, one latent query): per item, a learned
+    query attends over the item's (patch) rows, then ``x + mlp(norm(x))``.
+
+    transformers' ``SiglipMultiheadAttentionPoolingHead`` is the same map: its ``probe`` is ``latent``,
+    its ``attention.in_proj`` rows [q | k | v] are ``q`` and ``kv``, its ``out_proj`` is ``proj``.
+    """
+
+    def __init__(self, config: ClassicViTConfig) -> None:
+        super().__init__()
+        dim = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.latent = nn.Parameter(torch.zeros(1, 1, dim))
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim, eps=config.layer_norm_eps)
+        self.mlp = Mlp(dim, config.intermediate_size, config.hidden_act)
+
+    def forward(self, rows: torch.Tensor, item_index: torch.Tensor, items: int) -> torch.Tensor:
+        """(L, D) rows of ``items`` items, ``item_index`` (L,) int64 each row's item -> (N, D).
+
+        The query is the same for every item, so each head's scores are one dot product per row and
+        the softmax runs per item over its own rows (no padding, no mask), accumulated in float32 or wider.
+        """
+        heads, dim = self.num_heads, rows.shape[-1]
+        query = self.q(self.latent.reshape(1, dim).to(rows.dtype)).view(heads, dim // heads)
+        key, value = linear(self.kv, rows).view(-1, 2, heads, dim // heads).unbind(1)
+        wide = torch.promote_types(rows.dtype, torch.float32)
+        scores = (key.to(wide) * query.to(wide)).sum(-1) * (dim // heads) ** -0.5  # (L, H)
+        index = item_index.unsqueeze(1).expand_as(scores)
+        peak = scores.new_full((items, heads), -torch.inf).scatter_reduce(0, index, scores, "amax")
+        weights = (scores - peak.index_select(0, item_index)).exp()
+        total = weights.new_zeros(items, heads).index_add_(0, item_index, weights)
+        weighted = value.to(wide) * weights.unsqueeze(-1)
+        pooled = weighted.new_zeros(items, heads, dim // heads).index_add_(0, item_index, weighted)
+        x = self.proj((pooled / total.unsqueeze(-1)).flatten(1).to(rows.dtype))
+        return x + self.mlp(self.norm(x))
 
 
 class Pooler(nn.Module):
@@ -174,11 +245,14 @@ class ClassicViT(nn.Module):
         self.patch_embed = PatchEmbed(config)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim)) if config.class_token else None
         self.dist_token = nn.Parameter(torch.zeros(1, 1, dim)) if config.distillation_token else None
-        self.pos_embed = nn.Parameter(torch.zeros(1, config.num_prefix_tokens + side * side, dim))
+        registers = config.num_register_tokens
+        self.reg_token = nn.Parameter(torch.zeros(1, registers, dim)) if registers else None
+        self.pos_embed = nn.Parameter(torch.zeros(1, config.num_table_prefix_rows + side * side, dim))
         depth = config.num_hidden_layers
         rates = [config.drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
         self.blocks = nn.ModuleList(ViTBlock(config, rate) for rate in rates)
         self.norm = nn.LayerNorm(dim, eps=config.layer_norm_eps)
+        self.attn_pool = AttentionPool(config) if config.pool == "map" else None
         self.pooler = Pooler(dim) if config.pooler else None
         self.head = nn.Linear(dim, config.num_classes) if config.num_classes else None
         self.head_dist = nn.Linear(dim, config.num_classes) if config.distilled_head else None
@@ -198,10 +272,14 @@ class ClassicViT(nn.Module):
             elif isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
+            elif isinstance(module, LayerScale):
+                nn.init.constant_(module.gamma, self.config.layer_scale_init)
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        for token in (self.cls_token, self.dist_token):
+        for token in (self.cls_token, self.dist_token, self.reg_token):
             if token is not None:
                 nn.init.trunc_normal_(token, std=0.02)
+        if self.attn_pool is not None:
+            nn.init.trunc_normal_(self.attn_pool.latent, std=self.config.hidden_size**-0.5)
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -279,7 +357,7 @@ class ClassicViT(nn.Module):
         if image_size % self.config.patch_size:
             raise ValueError(f"image_size {image_size} is not a multiple of the patch size {self.config.patch_size}")
         side = image_size // self.config.patch_size
-        prefix = self.pos_embed[:, : self.config.num_prefix_tokens]
+        prefix = self.pos_embed[:, : self.config.num_table_prefix_rows]
         with torch.no_grad():
             patches = self._patch_table(side, side).unsqueeze(0)
             self.pos_embed = nn.Parameter(torch.cat([prefix, patches], dim=1).detach().clone())
@@ -288,7 +366,7 @@ class ClassicViT(nn.Module):
 
     def _patch_table(self, rows: int, cols: int) -> torch.Tensor:
         side = self.config.grid_side
-        table = self.pos_embed[0, self.config.num_prefix_tokens :].reshape(side, side, -1)
+        table = self.pos_embed[0, self.config.num_table_prefix_rows :].reshape(side, side, -1)
         return resample_table(table, rows, cols, self.config.pos_emb_rule)
 
     def _positions(self, grid: PackedGrid) -> torch.Tensor:
@@ -382,13 +460,18 @@ class ClassicViT(nn.Module):
         return self._outputs(tokens, pack, grid, tuple(hidden[i] for i in selected) if selected else None)
 
     def _with_prefix(self, x: torch.Tensor, items: int, pack: PrefixedPack) -> torch.Tensor:
-        """(L, D) patch rows -> (N * n_prefix + L, D) token rows, each item's prefix tokens first."""
-        count = self.config.num_prefix_tokens
-        if count == 0:
+        """(L, D) patch rows -> (N * n_prefix + L, D) token rows, each item's prefix tokens first
+        (CLS, the distillation token or the registers), the table's prefix rows added to those that have one."""
+        if self.config.num_prefix_tokens == 0:
             return x
-        prefix = torch.cat([t for t in (self.cls_token, self.dist_token) if t is not None], dim=1)[0]
-        prefix = (prefix + self.pos_embed[0, :count]).to(x.dtype)
-        return torch.cat([prefix.repeat(items, 1), x]).index_select(0, pack.order)
+        embedded: list[torch.Tensor] = [t for t in (self.cls_token, self.dist_token) if t is not None]
+        prefix = torch.cat(embedded, dim=1)[0]
+        rows = self.config.num_table_prefix_rows
+        if rows:
+            prefix = prefix + self.pos_embed[0, :rows]
+        if self.reg_token is not None:  # after the CLS token, with no table row (DINOv2 with registers)
+            prefix = torch.cat([prefix[:1], self.reg_token[0], prefix[1:]])
+        return torch.cat([prefix.to(x.dtype).repeat(items, 1), x]).index_select(0, pack.order)
 
     def _outputs(
         self,
@@ -402,6 +485,8 @@ class ClassicViT(nn.Module):
         prefix = tokens.index_select(0, pack.prefix_rows).view(items, count, tokens.shape[-1])
         if self.config.pool == "token":
             pooled = prefix[:, 0]
+        elif self.attn_pool is not None:
+            pooled = self.attn_pool(patches, grid.item_index, items)
         else:
             pooled = _item_means(patches, grid)
         head_logits = logits = None
