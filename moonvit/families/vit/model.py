@@ -178,8 +178,9 @@ class AttentionPool(nn.Module):
     """The MAP head (SigLIP's; timm's ``AttentionPoolLatent``, one latent query): per item, a learned
     query attends over the item's (patch) rows, then ``x + mlp(norm(x))``.
 
-    transformers' ``SiglipMultiheadAttentionPoolingHead`` is the same map: its ``probe`` is ``latent``,
-    its ``attention.in_proj`` rows [q | k | v] are ``q`` and ``kv``, its ``out_proj`` is ``proj``.
+    ``qkv`` holds the query's rows and the keys' and values' ([q | k | v], (3D, D)): transformers'
+    ``SiglipMultiheadAttentionPoolingHead`` stores them so (``attention.in_proj``; its ``probe`` is
+    ``latent``, its ``out_proj`` is ``proj``), timm as ``q`` and ``kv``.
     """
 
     def __init__(self, config: ClassicViTConfig) -> None:
@@ -187,8 +188,7 @@ class AttentionPool(nn.Module):
         dim = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.latent = nn.Parameter(torch.zeros(1, 1, dim))
-        self.q = nn.Linear(dim, dim)
-        self.kv = nn.Linear(dim, 2 * dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.norm = nn.LayerNorm(dim, eps=config.layer_norm_eps)
         self.mlp = Mlp(dim, config.intermediate_size, config.hidden_act)
@@ -200,8 +200,9 @@ class AttentionPool(nn.Module):
         the softmax runs per item over its own rows (no padding, no mask), accumulated in float32 or wider.
         """
         heads, dim = self.num_heads, rows.shape[-1]
-        query = self.q(self.latent.reshape(1, dim).to(rows.dtype)).view(heads, dim // heads)
-        key, value = linear(self.kv, rows).view(-1, 2, heads, dim // heads).unbind(1)
+        weight, bias = self.qkv.weight.to(rows.dtype), self.qkv.bias.to(rows.dtype)
+        query = F.linear(self.latent.reshape(1, dim).to(rows.dtype), weight[:dim], bias[:dim]).view(heads, -1)
+        key, value = F.linear(rows, weight[dim:], bias[dim:]).view(-1, 2, heads, dim // heads).unbind(1)
         wide = torch.promote_types(rows.dtype, torch.float32)
         scores = (key.to(wide) * query.to(wide)).sum(-1) * (dim // heads) ** -0.5  # (L, H)
         index = item_index.unsqueeze(1).expand_as(scores)
