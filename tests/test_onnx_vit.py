@@ -1,6 +1,7 @@
-"""ONNX export of the classic ViT / DeiT tower: the NumPy inputs against torch's interpolation and the
-tower's own table, the exported forward against the eager tower, and ONNX Runtime on packs the
-export never saw (mixed and odd grids, through one exported file)."""
+"""ONNX export of the classic ViT / DeiT tower and the VLA stacks' ViTs it runs (SigLIP, SigLIP2 NaFlex,
+DINOv2 with registers): the NumPy inputs against torch's interpolation and the tower's own table, the
+exported forward against the eager tower, and ONNX Runtime on packs the export never saw (mixed and odd
+grids, through one exported file)."""
 
 from __future__ import annotations
 
@@ -39,12 +40,32 @@ TOWERS = {
     ),
     "cls avg jax": dict(pool="avg", num_classes=CLASSES, pos_emb_rule="jax"),
     "gap": dict(class_token=False, pool="avg"),
+    # SigLIP: no prefix tokens, the MAP head, tanh GELU, transformers' bicubic
+    "siglip": dict(class_token=False, pool="map", hidden_act="gelu_tanh", layer_norm_eps=1e-6),
+    # SigLIP2 NaFlex: the same with the antialiased bilinear table (at every grid), a head on the MAP output
+    "siglip2 naflex": dict(
+        class_token=False, pool="map", hidden_act="gelu_tanh", pos_emb_rule="naflex", num_classes=CLASSES
+    ),
+    # DINOv2 (transformers' Dinov2Model): CLS with its table row, LayerScale, bicubic in float32
+    "dinov2": dict(layer_scale=True, pos_emb_rule="transformers-f32", layer_norm_eps=1e-6),
+    # DINOv2 with registers (timm's reg4, giant's SwiGLU): a patch-only table, PIL's antialiased bicubic
+    "dinov2 reg swiglu": dict(
+        num_register_tokens=4,
+        layer_scale=True,
+        mlp_type="swiglu",
+        no_embed_class=True,
+        pos_emb_rule="timm",
+        num_classes=CLASSES,
+    ),
 }
+NEW_TOWERS = ["siglip", "siglip2 naflex", "dinov2", "dinov2 reg swiglu"]
 # torch's kernels, called as each rule calls them (the tower's resample_table).
 INTERPOLATE = {
     "transformers": dict(mode="bicubic", align_corners=False),
     "timm": dict(mode="bicubic", antialias=True, align_corners=False),
     "jax": dict(mode="bilinear", align_corners=True),
+    "transformers-f32": dict(mode="bicubic", align_corners=False),
+    "naflex": dict(mode="bilinear", antialias=True, align_corners=False),
 }
 
 
@@ -75,7 +96,7 @@ def test_axis_weights_are_torchs_interpolation(rule, side):
         np.testing.assert_allclose(axis_weights(size, side, rule), expected, rtol=0, atol=1e-12, err_msg=str(size))
 
 
-@pytest.mark.parametrize("name", ["cls head pooler", "deit distilled timm", "cls avg jax"])
+@pytest.mark.parametrize("name", ["cls head pooler", "deit distilled timm", "cls avg jax", *NEW_TOWERS])
 def test_inputs_resample_the_towers_table(name):
     """The per-axis weights, multiplied out over the table, give each patch its item's row of the
     tower's own resampled table (float32 weights: to 1e-6); each distinct size is resampled once."""
@@ -86,7 +107,7 @@ def test_inputs_resample_the_towers_table(name):
     distinct = {tuple(g) for g in PACK_A}
     assert weight_h.shape == weight_w.shape == (sum(h * w for h, w in distinct), model.config.grid_side)
     assert weight_h.dtype == np.float32 and row.dtype == np.int64
-    table = model.pos_embed[0, model.config.num_prefix_tokens :].detach().numpy()
+    table = model.pos_embed[0, model.config.num_table_prefix_rows :].detach().numpy()
     grid_table = table.reshape(8, 8, -1)
     resampled = np.einsum("ui,uj,ijd->ud", weight_h.astype(np.float64), weight_w.astype(np.float64), grid_table)
     expected = torch.cat([model.position_table(h, w).flatten(0, 1) for h, w in PACK_A]).detach().numpy()
@@ -95,7 +116,7 @@ def test_inputs_resample_the_towers_table(name):
     np.testing.assert_array_equal(resampled[row[:64]], table)
 
 
-@pytest.mark.parametrize("name", ["cls head pooler", "deit distilled timm", "gap"])
+@pytest.mark.parametrize("name", ["cls head pooler", "deit distilled timm", "gap", "dinov2 reg swiglu"])
 def test_attention_layout(name):
     """Item i's token rows: its prefix tokens (rows i * n + k), then its patches (rows N * n + packed row),
     -1 past its end; the slots place every patch row in that padded batch."""
@@ -173,6 +194,14 @@ def test_output_names_follow_the_config():
         "head_logits",
     )
     assert vit_output_names(tower("gap").config) == ("last_hidden_state", "pooled")
+    assert vit_output_names(tower("siglip").config) == ("last_hidden_state", "pooled")
+    assert vit_output_names(tower("siglip2 naflex").config) == ("last_hidden_state", "pooled", "logits")
+    assert vit_output_names(tower("dinov2 reg swiglu").config) == (
+        "last_hidden_state",
+        "prefix_tokens",
+        "pooled",
+        "logits",
+    )
 
 
 # ---- exported graphs on ONNX Runtime ---------------------------------------------------------------------
@@ -276,3 +305,59 @@ def test_refusals(tmp_path, capsys):
     assert exit_info.value.code == 1
     assert "classic ViT / DeiT tower, which has no projector: drop --projector" in capsys.readouterr().err
     assert not (tmp_path / "a.onnx").exists()
+
+
+# ---- the VLA stacks' towers on ONNX Runtime: SigLIP, SigLIP2 NaFlex, DINOv2 with registers ----------
+
+
+@pytest.fixture(scope="module")
+def vla_exports(tmp_path_factory):
+    """The three towers, each exported once through the API (random weights: LayerScale, the MAP head's
+    latent query and the registers all away from their initial values)."""
+    root = tmp_path_factory.mktemp("vla")
+    exported = {}
+    for seed, name in enumerate(["siglip", "siglip2 naflex", "dinov2 reg swiglu"], start=10):
+        model = tower(name, seed=seed)
+        exported[name] = export_onnx(model, root / f"{name.replace(' ', '_')}.onnx"), model
+    return exported
+
+
+@pytest.mark.parametrize("name", ["siglip", "siglip2 naflex", "dinov2 reg swiglu"])
+def test_the_vla_towers_graphs_are_one_graph_without_control_flow(vla_exports, name):
+    """No Loop / If (the MAP head's per-item softmax is segment ops: ScatterElements' max and sums over the
+    L patch rows), no Resize (the table is resampled by the graph's own matmul); every pack size symbolic."""
+    path, model = vla_exports[name]
+    graph = onnx.load(str(path))
+    ops = {node.op_type for node in graph.graph.node}
+    assert not ops & {"Loop", "Scan", "If", "Resize"}, ops
+    if model.config.pool == "map":
+        assert "ScatterElements" in ops
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.graph.input}
+    assert dims["attention_rows"] == ["items", "longest"] and dims["pixel_values"] == ["patches", 3, PATCH, PATCH]
+    assert [o.name for o in graph.graph.output] == list(vit_output_names(model.config))
+
+
+@pytest.mark.parametrize("name", ["siglip", "siglip2 naflex", "dinov2 reg swiglu"])
+def test_onnxruntime_matches_the_vla_towers_on_two_packs(vla_exports, name):
+    """ONNX Runtime (CPU) against the eager tower on two packs the export never saw, through one file: every
+    output to 1e-4 relative (measured: about 1e-6)."""
+    path, model = vla_exports[name]
+    sess = session(path)
+    for seed, grids in enumerate([PACK_A, PACK_B]):
+        errors = compare_with_model(sess, model, pixels_for(grids, seed=seed), grids)
+        assert set(errors) == set(vit_output_names(model.config))
+        assert max(errors.values()) < 1e-4, (grids, errors)
+
+
+def test_the_graphs_map_head_pools_each_item_alone(vla_exports):
+    """An item's pooled row in a pack is its pooled row alone (the softmax reads only the item's own patch
+    rows), to float error (1e-5 relative), for items of 1 to 63 patches."""
+    path, model = vla_exports["siglip2 naflex"]
+    sess = session(path)
+    grids = [(1, 1), (9, 7), (2, 2), (5, 11)]
+    pixels = pixels_for(grids, seed=8)
+    pooled = sess.run(["pooled"], onnx_inputs(model.config, pixels, grids))[0]
+    starts = [0, *itertools.accumulate(h * w for h, w in grids)]
+    for i, grid in enumerate(grids):
+        alone = sess.run(["pooled"], onnx_inputs(model.config, pixels[starts[i] : starts[i + 1]], [grid]))[0]
+        np.testing.assert_allclose(pooled[i : i + 1], alone, rtol=0, atol=1e-5 * np.abs(alone).max(), err_msg=str(grid))

@@ -1,9 +1,14 @@
 """The classic ViT / DeiT forward as the ONNX graph computes it: the tower's own modules and
 parameters, with the pack's layout taken as tensors (:mod:`moonvit.onnx.vit_inputs`).
 
-The blocks, the final norm, the heads and the pooler are the tower's own modules, called as
-:class:`~moonvit.families.vit.model.ClassicViT` calls them. Three parts differ in form, not in
-arithmetic, from the eager tower, so that one graph with symbolic sizes serves every pack:
+The blocks (tanh or exact GELU, SwiGLU, LayerScale as the config says), the final norm, the MAP
+head, the heads, the pooler and the prefix tokens (CLS, DeiT's distillation token or DINOv2's
+registers, :meth:`~moonvit.families.vit.model.ClassicViT.prefix_embeddings`) are the tower's own,
+called as :class:`~moonvit.families.vit.model.ClassicViT` calls them: the MAP head's per-item
+softmax is its segment ops over the L patch rows (a running max and sums scattered by item:
+``ScatterElements`` / ``ScatterND``, exact and linear in L), each row's item read off its padded
+slot. Three parts differ in form, not in arithmetic, from the eager tower, so that one graph with
+symbolic sizes serves every pack:
 
 - the table's patch rows are resampled by one matmul, ``(U, G * G)`` weights (the outer
   product of each entry's per-axis weights, computed with NumPy from the grid sizes) times the
@@ -60,8 +65,7 @@ class OnnxClassicViT(nn.Module):
         x = x + self.positions(pos_emb_weight_h, pos_emb_weight_w).index_select(0, pos_emb_row)
         tokens, slots = x, attention_slots
         if count:
-            prefix = torch.cat([t for t in (tower.cls_token, tower.dist_token) if t is not None], dim=1)[0]
-            prefix = (prefix + tower.pos_embed[0, :count]).to(x.dtype)
+            prefix = tower.prefix_embeddings().to(x.dtype)
             tokens = torch.cat([prefix.unsqueeze(0).expand(items, -1, -1).flatten(0, 1), x])
             # Item i's k-th prefix token sits at i * M + k of the padded batch.
             item = torch.arange(items, device=x.device)[:, None]
@@ -76,30 +80,33 @@ class OnnxClassicViT(nn.Module):
         for block in tower.blocks:
             tokens = block(tokens, attend)
         tokens = tower.norm(tokens)
-        return self.outputs(tokens, attention_rows)
+        return self.outputs(tokens, attention_rows, attention_slots)
 
     def positions(self, weight_h: torch.Tensor, weight_w: torch.Tensor) -> torch.Tensor:
         """(U, G) x (U, G) per-axis weights -> (U, D) resampled table rows, computed in float32."""
         tower = self.tower
         compute_dtype = torch.promote_types(tower.dtype, torch.float32)
-        table = tower.pos_embed[0, tower.config.num_prefix_tokens :].to(compute_dtype)  # (G * G, D)
+        table = tower.pos_embed[0, tower.config.num_table_prefix_rows :].to(compute_dtype)  # (G * G, D)
         weights = (weight_h.to(compute_dtype)[:, :, None] * weight_w.to(compute_dtype)[:, None, :]).flatten(1)
         return torch.matmul(weights, table).to(tower.dtype)
 
-    def outputs(self, tokens: torch.Tensor, attention_rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def outputs(
+        self, tokens: torch.Tensor, attention_rows: torch.Tensor, attention_slots: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         """The tower's outputs from its (N * n_prefix + L, D) normed token rows, as ``ClassicViT`` makes them."""
         tower, config = self.tower, self.tower.config
         count = config.num_prefix_tokens
-        items = attention_rows.shape[0]
-        if count == 0:  # a GAP tower: every row is a patch row
-            pooled = item_means(tokens, attention_rows)
-            named = {"last_hidden_state": tokens, "pooled": pooled}
-            if tower.head is not None:
-                named["logits"] = tower.head(pooled)
-            return tuple(named[name] for name in vit_output_names(config))
+        items, longest = attention_rows.shape
         patches = tokens[items * count :]
         prefix = tokens[: items * count].unflatten(0, (items, count))
-        pooled = prefix[:, 0] if config.pool == "token" else item_means(tokens, attention_rows[:, count:])
+        if config.pool == "token":
+            pooled = prefix[:, 0]
+        elif tower.attn_pool is not None:
+            # The tower's own MAP head: each item's softmax over its own patch rows, by segment (scatter) ops
+            # over the L rows; a patch row's item is its padded slot's row, i * M + j -> i.
+            pooled = tower.attn_pool(patches, torch.div(attention_slots, longest, rounding_mode="trunc"), items)
+        else:
+            pooled = item_means(tokens, attention_rows[:, count:])
         named = {"last_hidden_state": patches, "prefix_tokens": prefix, "pooled": pooled}
         if tower.head is not None:
             if tower.head_dist is not None:

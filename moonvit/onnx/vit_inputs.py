@@ -28,9 +28,11 @@ columns with ``W_w[c]``, so the resampled entry (r, c) is ``sum_ij W_h[r, i] W_w
 :func:`axis_weights` computes ``W`` with NumPy, in float64, from the sizes alone (never from the
 weights); the graph multiplies them into the table it holds, so the ``.onnx`` file is the whole
 model. The weights are those of PyTorch's kernels (``F.interpolate``): bicubic (a = -0.75,
-borders clamped) for ``transformers``, antialiased bicubic (a = -0.5, the support widened by
-the shrink factor, each row normalised) for ``timm``, bilinear through the corner rows
-(``align_corners=True``) for ``jax``.
+borders clamped) for ``transformers`` and ``transformers-f32``, antialiased bicubic (a = -0.5,
+the support widened by the shrink factor, each row normalised) for ``timm``, bilinear through the
+corner rows (``align_corners=True``) for ``jax``, antialiased bilinear (the triangle filter, widened
+and normalised as ``timm``'s cubic) for ``naflex``. At the native size every rule's weights are the
+identity, NaFlex's too (its kernel at scale 1 reads each row alone).
 
 The graph's token rows are every item's prefix tokens first (item after item, CLS first), then
 the L patch rows; ``attention_rows`` points into that layout.
@@ -40,7 +42,7 @@ Bad input raises the model's own errors (the checks are :mod:`moonvit.model.grid
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -102,11 +104,13 @@ def axis_weights(out_size: int, in_size: int, rule: str) -> np.ndarray:
         return np.eye(in_size)
     out = np.arange(out_size)
     weights = np.zeros((out_size, in_size))
-    if rule == "transformers":
+    if rule in ("transformers", "transformers-f32"):  # the same kernel; the graph computes in float32 either way
         taps, tap_weights = axis_taps(out, np.full(out_size, out_size), in_size, "bicubic")
         np.add.at(weights, (np.broadcast_to(out[:, None], taps.shape), taps), tap_weights)
     elif rule == "timm":
-        weights = _antialiased_cubic(out_size, in_size)
+        weights = _antialiased(out_size, in_size, _cubic, 2.0)
+    elif rule == "naflex":
+        weights = _antialiased(out_size, in_size, _triangle, 1.0)
     elif rule == "jax":
         # align_corners=True: output i samples the source at i * (in - 1) / (out - 1) (0 for one row).
         source = out * ((in_size - 1) / (out_size - 1)) if out_size > 1 else np.zeros(1)
@@ -119,36 +123,38 @@ def axis_weights(out_size: int, in_size: int, rule: str) -> np.ndarray:
     return weights
 
 
-def _antialiased_cubic(out_size: int, in_size: int) -> np.ndarray:
-    """PyTorch's ``bicubic, antialias=True, align_corners=False`` along one axis (PIL's filter).
+def _antialiased(out_size: int, in_size: int, kernel: Callable[[np.ndarray], np.ndarray], reach: float) -> np.ndarray:
+    """PyTorch's ``antialias=True, align_corners=False`` along one axis (PIL's filters): ``kernel`` is the
+    cubic (a = -0.5, ``reach`` 2) for ``bicubic``, the triangle (``reach`` 1) for ``bilinear``.
 
-    Output i is centred on source coordinate ``scale * (i + 0.5)``, scale = in / out; the cubic
-    kernel (a = -0.5) is stretched by the scale when shrinking (support 2 * scale, never under 2),
-    cut at the borders, and each row is normalised to sum to 1.
+    Output i is centred on source coordinate ``scale * (i + 0.5)``, scale = in / out; the kernel is
+    stretched by the scale when shrinking (support ``reach * scale``, never under ``reach``), cut at the
+    borders, and each row is normalised to sum to 1.
     """
     scale = in_size / out_size
-    support, stretch = (2.0 * scale, 1.0 / scale) if scale >= 1.0 else (2.0, 1.0)
+    support, stretch = (reach * scale, 1.0 / scale) if scale >= 1.0 else (reach, 1.0)
     weights = np.zeros((out_size, in_size))
     for i in range(out_size):
         center = scale * (i + 0.5)
         # int() truncates as the kernel's int64 cast does (the max makes its rounding of negatives moot).
         first = max(int(center - support + 0.5), 0)
         end = min(int(center + support + 0.5), in_size)
-        distance = np.abs((np.arange(first, end) - center + 0.5) * stretch)
-        taps = np.where(distance < 1.0, _near_cubic(distance), _far_cubic(distance))
+        taps = kernel(np.abs((np.arange(first, end) - center + 0.5) * stretch))
         total = taps.sum()
         weights[i, first:end] = taps / total if total != 0 else taps
     return weights
 
 
-def _near_cubic(x: np.ndarray, a: float = -0.5) -> np.ndarray:
-    """Keys' cubic for |x| < 1."""
-    return ((a + 2) * x - (a + 3)) * x * x + 1
+def _cubic(x: np.ndarray, a: float = -0.5) -> np.ndarray:
+    """Keys' cubic of |x| (``x`` >= 0): one piece below 1, another below 2, 0 from 2 on."""
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = np.where(x < 2.0, ((a * x - 5 * a) * x + 8 * a) * x - 4 * a, 0.0)
+    return np.where(x < 1.0, near, far)
 
 
-def _far_cubic(x: np.ndarray, a: float = -0.5) -> np.ndarray:
-    """Keys' cubic for 1 <= |x| < 2, and 0 from 2 on."""
-    return np.where(x < 2.0, ((a * x - 5 * a) * x + 8 * a) * x - 4 * a, 0.0)
+def _triangle(x: np.ndarray) -> np.ndarray:
+    """The bilinear (triangle) filter of |x| (``x`` >= 0): 1 - x below 1, 0 from 1 on."""
+    return np.maximum(1.0 - x, 0.0)
 
 
 def _table_weights(
