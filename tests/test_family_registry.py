@@ -93,6 +93,27 @@ def _vit_own(tmp: Path) -> dict[str, Any]:
     return json.loads((tmp / "vit" / "config.json").read_text())
 
 
+def _dinov2_transformers(tmp: Path) -> dict[str, Any]:
+    from transformers import Dinov2Config
+
+    return Dinov2Config(use_swiglu_ffn=True).to_dict()
+
+
+def _dinov2_registers_transformers(tmp: Path) -> dict[str, Any]:
+    from transformers import Dinov2WithRegistersConfig
+
+    return Dinov2WithRegistersConfig().to_dict()
+
+
+def _dinov2_timm(tmp: Path) -> dict[str, Any]:
+    return {"architecture": "vit_giant_patch14_dinov2", "num_classes": 0, "pretrained_cfg": {"tag": "lvd142m"}}
+
+
+def _dinov2_registers_timm(tmp: Path) -> dict[str, Any]:
+    # Prismatic's (OpenVLA's) DINOv2 tower: the hub's name with its tag, built at 224 px
+    return {"architecture": "vit_large_patch14_reg4_dinov2.lvd142m", "model_args": {"img_size": 224}}
+
+
 EXAMPLES: dict[str, list[Callable[[Path], dict[str, Any]]]] = {
     "own": [_own],
     "kimi-vl": [_kimi_vl],
@@ -101,6 +122,7 @@ EXAMPLES: dict[str, list[Callable[[Path], dict[str, Any]]]] = {
     "kimi-k3": [_kimi_k3],
     "locateanything": [_locateanything],
     "classic-vit": [_vit_transformers, _deit_transformers, _vit_timm, _vit_own],
+    "dinov2": [_dinov2_transformers, _dinov2_registers_transformers, _dinov2_timm, _dinov2_registers_timm],
 }
 CASES = [
     pytest.param(name, build, id=f"{name}-{build.__name__.strip('_')}")

@@ -10,7 +10,9 @@ The built-in families, each in its own module or package:
 
 - :mod:`.moonvit`: the MoonViT families (Kimi-VL, Kimi-K2.5 / K2.6 in its release's keys and in
   transformers' ``kimi_k25``, Kimi K3, NVIDIA LocateAnything-3B, and this package's own folders);
-- :mod:`.vit`: the classic ViT and DeiT (config, key maps, the tower module, its processor rules).
+- :mod:`.vit`: the classic ViT and DeiT (config, key maps, the tower module, its processor rules);
+- :mod:`.dinov2`: DINOv2 and DINOv2 with registers (configs of the classic-ViT tower; transformers'
+  and timm's folders).
 
 A family that recognises a ``config.json`` by a mark of its own (a ``model_type``, a key only it
 has) is *specific*; a family that takes whatever has a shape (any ``vision_config``: Kimi-VL's; no
@@ -121,4 +123,4 @@ def _load_builtin() -> None:
     _BUILTIN_STARTED = True
     # The specific families' claims do not overlap (tests/test_family_registry.py), so the order they
     # register in (which of them a program imports first) does not change what the loader reads.
-    from . import moonvit, vit  # noqa: F401
+    from . import dinov2, moonvit, vit  # noqa: F401
