@@ -16,6 +16,7 @@ dependency of this package):
 
 Tensor names equal timm's state-dict names, so :func:`save_timm_folder` writes a folder as timm's
 hub checkpoints store it (``config.json`` with ``architecture``, ``model.safetensors``).
+:func:`timm_eval_transform` is timm's evaluation transform of an image (the processors' reference).
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from PIL import Image
 from safetensors.torch import save_file
 
 LAYER_NORM_EPS = 1e-6
@@ -201,3 +204,26 @@ def save_timm_folder(
     state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
     save_file(state, str(folder / "model.safetensors"))
     return folder
+
+
+# ---- timm's evaluation transform -------------------------------------------------------------------
+
+
+def timm_eval_transform(
+    image: Image.Image, size: int, crop_pct: float, resample: int, mean: Any, std: Any
+) -> torch.Tensor:
+    """timm's evaluation transform, from its description: torchvision's ``Resize(floor(size / crop_pct))``
+    (the shorter side to that, the longer to ``int(s * long / short)``, Pillow), ``CenterCrop(size)``
+    (offsets ``int(round((side - size) / 2.0))``), ``ToTensor`` (float32 ``x / 255``), ``Normalize``:
+    (3, size, size) float32."""
+    scaled = math.floor(size / crop_pct)
+    width, height = image.size
+    if width <= height:
+        new = (scaled, int(scaled * height / width))
+    else:
+        new = (int(scaled * width / height), scaled)
+    resized = image.resize(new, resample)
+    left, top = round((new[0] - size) / 2.0), round((new[1] - size) / 2.0)
+    crop = resized.crop((left, top, left + size, top + size))
+    x = torch.from_numpy(np.array(crop)).permute(2, 0, 1).to(torch.float32).div(255)
+    return (x - torch.tensor(mean).view(3, 1, 1)) / torch.tensor(std).view(3, 1, 1)

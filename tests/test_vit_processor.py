@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from reference_vit import timm_eval_transform
 
 from moonvit import MoonViTImageProcessor, encode_images, pack_images
 from moonvit.families.vit import ClassicViT, classic_vit_config
@@ -129,23 +130,6 @@ def test_release_files_of_the_older_form_read_as_transformers_reads_them(tmp_pat
 # ---- timm's rule -------------------------------------------------------------------------------
 
 
-def _timm_reference(image: Image.Image, size: int, crop_pct: float, resample: int, mean: Any, std: Any) -> torch.Tensor:
-    """timm's evaluation transform, from its description: torchvision's ``Resize(floor(size / crop_pct))``
-    (the shorter side to that, the longer to ``int(s * long / short)``, Pillow), ``CenterCrop(size)``
-    (offsets ``int(round((side - size) / 2.0))``), ``ToTensor`` (float32 ``x / 255``), ``Normalize``."""
-    scaled = math.floor(size / crop_pct)
-    width, height = image.size
-    if width <= height:
-        new = (scaled, int(scaled * height / width))
-    else:
-        new = (int(scaled * width / height), scaled)
-    resized = image.resize(new, resample)
-    left, top = round((new[0] - size) / 2.0), round((new[1] - size) / 2.0)
-    crop = resized.crop((left, top, left + size, top + size))
-    x = torch.from_numpy(np.array(crop)).permute(2, 0, 1).to(torch.float32).div(255)
-    return (x - torch.tensor(mean).view(3, 1, 1)) / torch.tensor(std).view(3, 1, 1)
-
-
 def _timm_folder(folder: Path, **pretrained: Any) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     cfg = {"architecture": "vit_base_patch16_224.augreg2_in21k_ft_in1k", "num_classes": 1000,
@@ -162,14 +146,14 @@ def test_timm_rule_equals_its_evaluation_transform(tmp_path: Path) -> None:
     assert (ours.rule, ours.shortest_edge, ours.crop_size, ours.crop_offset) == ("timm", 248, (224, 224), "round")
     for height, width in SIZES:
         image = _image(height, width)
-        expected = _timm_reference(image, 224, 0.9, Image.Resampling.BICUBIC, (0.5,) * 3, (0.5,) * 3)
+        expected = timm_eval_transform(image, 224, 0.9, Image.Resampling.BICUBIC, (0.5,) * 3, (0.5,) * 3)
         assert torch.equal(_ours(ours, image), expected), (height, width)
     # timm's defaults where pretrained_cfg is silent: 224 px, bicubic, crop_pct 0.875, ImageNet's statistics
     defaults = processor_for(_timm_folder(tmp_path / "defaults"))
     assert isinstance(defaults, ClassicViTImageProcessor)
     assert (defaults.shortest_edge, defaults.resample, defaults.image_mean) == (256, 3, IMAGENET_MEAN)
     image = _image(199, 301)
-    expected = _timm_reference(image, 224, 0.875, Image.Resampling.BICUBIC, IMAGENET_MEAN, IMAGENET_STD)
+    expected = timm_eval_transform(image, 224, 0.875, Image.Resampling.BICUBIC, IMAGENET_MEAN, IMAGENET_STD)
     assert torch.equal(_ours(defaults, image), expected)
 
 

@@ -1,5 +1,11 @@
 """The classic ViT's and DeiT's image processors: each checkpoint's own rule, and a native-resolution one.
 
+The machinery here is every ClassicViT-tower family's (SigLIP, SigLIP2, DINOv2 too): the fixed rule
+(:class:`ClassicViTImageProcessor`), the native rule (:class:`NativeViTImageProcessor`), the readers
+of transformers' and timm's processor settings, and :class:`RuleSet`, a family's named rules and
+folder reader; :mod:`moonvit.families.siglip.processor` and :mod:`moonvit.families.dinov2.processor`
+are each family's rules on it.
+
 Rules, chosen by name (:data:`RULES`, :func:`processor_for_config`, :func:`from_folder`):
 
 - ``vit``: transformers' ``ViTImageProcessor``: resize to ``size`` (224 x 224) with ``resample``
@@ -32,8 +38,8 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -62,19 +68,28 @@ from ...weights.storage import CheckpointError, read_json
 from .config import ClassicViTConfig
 
 __all__ = [
+    "HALF",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "NATIVE_BUDGET_FACTOR",
+    "RESAMPLE_NAMES",
     "RULES",
+    "TRANSFORMERS_BOOKKEEPING",
+    "VIT_RULES",
     "ClassicViTImageProcessor",
     "NativeViTImageProcessor",
+    "PatchRule",
+    "RuleSet",
+    "deit_rule",
+    "fixed_file_reader",
     "from_folder",
+    "native_rule",
     "own_rule",
     "processor_for_config",
+    "transformers_normalisation",
+    "vit_rule",
 ]
 
-RULES = ("vit", "deit", "native")
-"""The rules chosen by name (``Family.processors`` of the classic-ViT family)."""
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 HALF = (0.5, 0.5, 0.5)
@@ -88,38 +103,30 @@ DEIT_CROP_RATIO = 224 / 256
 RESAMPLE_NAMES = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
 TIMM_INTERPOLATION = {name: code for code, name in RESAMPLE_NAMES.items()}
 CropOffset = Literal["floor", "round"]
-Rule = Literal["vit", "deit", "timm"]
+Rule = Literal["vit", "deit", "timm", "siglip", "dinov2"]
 
-# Keys of transformers' ViT / DeiT preprocessor_config.json that do not change the pixels here:
-# bookkeeping, and do_convert_rgb (images are always decoded to RGB).
-_TRANSFORMERS_BOOKKEEPING = {
+TRANSFORMERS_BOOKKEEPING = {
     "image_processor_type", "feature_extractor_type", "processor_class", "auto_map", "do_convert_rgb",
     "input_data_format", "data_format", "return_tensors", "device", "default_to_square",
 }  # fmt: skip
+"""Keys of transformers' processor files that do not change the pixels here: bookkeeping, and
+``do_convert_rgb`` (images are always decoded to RGB)."""
 _TRANSFORMERS_KEYS = {
     "do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale", "rescale_factor",
     "do_normalize", "image_mean", "image_std",
 }  # fmt: skip
-# transformers' own class defaults (ViTImageProcessor and DeiTImageProcessor), which a key the file
-# lacks takes: both normalise with 0.5 by default; the DeiT releases' files give ImageNet's.
-_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
-    "vit": {"size": {"height": 224, "width": 224}, "resample": 2, "do_center_crop": False},
-    "deit": {
-        "size": {"height": 256, "width": 256}, "resample": 3, "do_center_crop": True,
-        "crop_size": {"height": 224, "width": 224},
-    },
-}  # fmt: skip
-_TRANSFORMERS_TYPES = {"ViTImageProcessor": "vit", "DeiTImageProcessor": "deit"}
 
 
 # ---- what both rules share -------------------------------------------------------------------
 
 
-class _PatchRule:
-    """Decoding, rendering, normalising and patchifying, shared by the classic ViT's processors.
+class PatchRule:
+    """Decoding, rendering, normalising and patchifying, shared by the ClassicViT tower's processors
+    (the classic ViT's, SigLIP's, SigLIP2 NaFlex's, DINOv2's).
 
     Subclasses are frozen dataclasses with ``patch_size``, ``resample``, ``rescale_factor``,
-    ``image_mean`` and ``image_std`` fields and a ``plan_image`` method.
+    ``image_mean`` and ``image_std`` fields, an ``in_token_limit`` (field or property), and
+    ``plan_image`` and ``kind``.
     """
 
     patch_size: int
@@ -132,6 +139,11 @@ class _PatchRule:
     def merge_kernel_size(self) -> tuple[int, int]:
         """(1, 1): the classic ViT has no patch merger; each patch is one output token."""
         return (1, 1)
+
+    @property
+    def kind(self) -> str:
+        """The rule's name, as its family names it (``"vit"``, ``"native"``, ...)."""
+        raise NotImplementedError
 
     def plan_image(self, width: int, height: int, *, in_token_limit: int | None = None) -> ImagePlan:
         raise NotImplementedError
@@ -224,14 +236,15 @@ class _PatchRule:
 
 
 @dataclass(frozen=True)
-class ClassicViTImageProcessor(_PatchRule):
+class ClassicViTImageProcessor(PatchRule):
     """A fixed-size rule: resize, optionally centre-crop, rescale, normalise, patchify.
 
     Every image gives the same grid, ``output_size / patch_size`` (14 x 14 at 224 px, patch 16).
 
     Attributes:
         rule: the rule's name, for messages and saved files: ``"vit"`` (transformers' ViT),
-            ``"deit"`` (resize then crop) or ``"timm"`` (timm's evaluation transform).
+            ``"deit"`` (resize then crop), ``"timm"`` (timm's evaluation transform), ``"siglip"``
+            (SigLIP's square resize) or ``"dinov2"`` (DINOv2's shorter side then crop).
         patch_size: patch side p in pixels (the checkpoint's).
         size: (height, width) every image is resized to, aspect not kept (transformers'
             ``size {"height", "width"}``); None with ``shortest_edge``.
@@ -243,6 +256,10 @@ class ClassicViTImageProcessor(_PatchRule):
         crop_offset: the crop's top-left offset from ``(resized - crop) / 2``: ``"floor"``
             (transformers' ``center_crop``) or ``"round"`` (torchvision's ``CenterCrop``, Python's
             round half to even, which timm uses).
+        drop_remainder: an output whose sides are not whole patches keeps its top-left
+            ``rows * p`` x ``cols * p`` pixels, the ones a strided patch convolution reads
+            (transformers' and timm's: SigLIP so400m at 384 px and patch 14 reads 27 x 27 patches,
+            378 px); False: such an output is an error.
         rescale_factor: pixels are multiplied by it (1/255; 1.0 for a file with ``do_rescale`` false).
         image_mean, image_std: per-channel normalisation (0 and 1 for ``do_normalize`` false).
     """
@@ -254,6 +271,7 @@ class ClassicViTImageProcessor(_PatchRule):
     resample: int = 2
     crop_size: tuple[int, int] | None = None
     crop_offset: CropOffset = "floor"
+    drop_remainder: bool = False
     rescale_factor: float = 1 / 255
     image_mean: tuple[float, float, float] = HALF
     image_std: tuple[float, float, float] = HALF
@@ -277,16 +295,27 @@ class ClassicViTImageProcessor(_PatchRule):
                 )
         if self.crop_size is not None:
             object.__setattr__(self, "crop_size", _pair("crop_size", self.crop_size))
+        if not isinstance(self.drop_remainder, bool):
+            raise ValueError(f"drop_remainder must be a bool, got {self.drop_remainder!r}")
         height, width = self.output_size
-        if height % self.patch_size or width % self.patch_size:
+        if (
+            height < self.patch_size
+            or width < self.patch_size
+            or (not self.drop_remainder and (height % self.patch_size or width % self.patch_size))
+        ):
             raise ValueError(
                 f"the output of {height}x{width} px ({'crop_size' if self.crop_size else 'size'}) is not a multiple "
                 f"of the {self.patch_size} px patch"
             )
 
     @property
+    def kind(self) -> str:
+        return self.rule
+
+    @property
     def output_size(self) -> tuple[int, int]:
-        """(height, width) of every processed image."""
+        """(height, width) of every image after the resize and crop (with ``drop_remainder``, of
+        which the top-left :attr:`grid_hw` patches are kept)."""
         size = self.crop_size or self.size
         assert size is not None  # __post_init__: shortest_edge comes with crop_size
         return size
@@ -322,11 +351,12 @@ class ClassicViTImageProcessor(_PatchRule):
             raise ValueError(f"image size must be positive, got {width}x{height}")
         resized = self.resized_size(width, height)
         if self.crop_size is None:
-            box = (0, 0, *resized)
+            left = top = 0
         else:
             crop_h, crop_w = self.crop_size
             left, top = self._offset(resized[0] - crop_w), self._offset(resized[1] - crop_h)
-            box = (left, top, left + crop_w, top + crop_h)
+        rows, cols = self.grid_hw  # the whole output, but with drop_remainder
+        box = (left, top, left + cols * self.patch_size, top + rows * self.patch_size)
         return ImagePlan((width, height), resized, box, self.grid_hw)
 
     def _offset(self, extra: int) -> int:
@@ -336,7 +366,10 @@ class ClassicViTImageProcessor(_PatchRule):
 
     def describe(self) -> str:
         """One line: the rule, its geometry and normalisation."""
-        name = {"vit": "ViT's rule", "deit": "DeiT's rule", "timm": "timm's rule"}[self.rule]
+        name = {
+            "vit": "ViT's rule", "deit": "DeiT's rule", "timm": "timm's rule", "siglip": "SigLIP's rule",
+            "dinov2": "DINOv2's rule",
+        }[self.rule]  # fmt: skip
         filter_name = RESAMPLE_NAMES[self.resample]
         if self.size is not None:
             resize = f"resize to {self.size[1]}x{self.size[0]} ({filter_name})"
@@ -344,6 +377,8 @@ class ClassicViTImageProcessor(_PatchRule):
             resize = f"shorter side to {self.shortest_edge} ({filter_name})"
         crop = "" if self.crop_size is None else f", centre crop {self.crop_size[1]}x{self.crop_size[0]}"
         rows, cols = self.grid_hw
+        if (rows * self.patch_size, cols * self.patch_size) != self.output_size:
+            crop += f", its top-left {cols * self.patch_size}x{rows * self.patch_size} px kept"
         return f"{name}: {resize}{crop}, {self._normalisation()}; {rows}x{cols} patches of {self.patch_size} px"
 
 
@@ -351,7 +386,7 @@ class ClassicViTImageProcessor(_PatchRule):
 
 
 @dataclass(frozen=True)
-class NativeViTImageProcessor(_PatchRule):
+class NativeViTImageProcessor(PatchRule):
     """Each image at about its own size: sides resized to whole patches, within a patch budget.
 
     For a ``W`` x ``H`` image, patch ``p`` and budget ``N`` (``in_token_limit``):
@@ -394,6 +429,10 @@ class NativeViTImageProcessor(_PatchRule):
         _check_positive_int("in_token_limit", self.in_token_limit)
         _check_positive_int("patch_limit_on_one_side", self.patch_limit_on_one_side)
 
+    @property
+    def kind(self) -> str:
+        return "native"
+
     def plan_image(self, width: int, height: int, *, in_token_limit: int | None = None) -> ImagePlan:
         """The resize and grid of a ``width`` x ``height`` image (see the class docstring), without
         pixels; ``in_token_limit`` replaces the budget for this image."""
@@ -431,141 +470,98 @@ def _pair(name: str, value: Any) -> tuple[int, int]:
 
 # ---- rules by name -----------------------------------------------------------------------------
 
-Processor = ClassicViTImageProcessor | NativeViTImageProcessor | MoonViTImageProcessor
+Processor = PatchRule | MoonViTImageProcessor
+"""What a folder's own files may give: one of the rules here, or a MoonViT-style processor file."""
+RuleBuilder = Callable[[ClassicViTConfig], tuple[type[PatchRule], dict[str, Any]]]
+"""A named rule for a tower: ``builder(config)`` gives the processor class and its settings."""
+FileReader = Callable[[Path, dict[str, Any], int], tuple[str, PatchRule]]
+"""A reader of one ``image_processor_type``'s settings: ``reader(file, values, patch_size)`` gives
+the rule's kind and processor (``values``: the file's dict; ``patch_size``: the tower's)."""
 
 
-def processor_for_config(
-    config: ClassicViTConfig, rule: str = "vit", *, base: Processor | None = None, **overrides: Any
-) -> ClassicViTImageProcessor | NativeViTImageProcessor:
-    """The rule ``rule`` for a tower of ``config`` (a preset's, or a folder's).
+def vit_rule(config: ClassicViTConfig) -> tuple[type[PatchRule], dict[str, Any]]:
+    """``vit``: resize to ``image_size`` square, bilinear; 0.5 / 0.5."""
+    size = config.image_size
+    return ClassicViTImageProcessor, {"rule": "vit", "patch_size": config.patch_size, "size": (size, size),
+                                      "resample": 2}  # fmt: skip
 
-    The geometry is the named rule's at the tower's ``image_size`` and ``patch_size``: ``vit``
-    resizes to ``image_size`` square (bilinear); ``deit`` resizes to ``floor(image_size * 256 / 224)``
-    square (bicubic) and crops ``image_size``; ``native`` gives :class:`NativeViTImageProcessor` with
-    a budget of :data:`NATIVE_BUDGET_FACTOR` times the native grid and the tower's ``max_grid_side``.
-    The normalisation (and the native rule's filter) is ``base``'s, the checkpoint's own rule, where
-    given; else the named rule's: 0.5 / 0.5 for ``vit`` and ``native``, ImageNet's for ``deit``.
-    ``overrides`` replace any field last.
 
-    Raises:
-        ValueError: an unknown rule name, or an invalid override.
+def deit_rule(config: ClassicViTConfig) -> tuple[type[PatchRule], dict[str, Any]]:
+    """``deit``: resize to ``floor(image_size * 256 / 224)`` square, bicubic, centre-crop
+    ``image_size``; ImageNet's mean and std."""
+    size, resized = config.image_size, math.floor(config.image_size / DEIT_CROP_RATIO)
+    return ClassicViTImageProcessor, {
+        "rule": "deit", "patch_size": config.patch_size, "size": (resized, resized), "resample": 3,
+        "crop_size": (size, size), "image_mean": IMAGENET_MEAN, "image_std": IMAGENET_STD,
+    }  # fmt: skip
+
+
+def native_rule(config: ClassicViTConfig) -> tuple[type[PatchRule], dict[str, Any]]:
+    """``native``: :class:`NativeViTImageProcessor` with a budget of :data:`NATIVE_BUDGET_FACTOR`
+    times the tower's native grid and its ``max_grid_side``; bicubic, 0.5 / 0.5."""
+    return NativeViTImageProcessor, {
+        "patch_size": config.patch_size,
+        "in_token_limit": NATIVE_BUDGET_FACTOR * config.grid_side**2,
+        "patch_limit_on_one_side": config.max_grid_side,
+        "resample": 3,
+    }
+
+
+# ---- reading transformers' and timm's settings ---------------------------------------------------
+
+
+def fixed_file_reader(rule: Rule, defaults: dict[str, Any], *, drop_remainder: bool = False) -> FileReader:
+    """The reader of a transformers processor of the fixed shape (resize, optional centre crop,
+    rescale, normalise: ``ViTImageProcessor``, ``SiglipImageProcessor``, ``BitImageProcessor``, ...),
+    giving a :class:`ClassicViTImageProcessor` of kind ``rule``.
+
+    ``defaults`` are the transformers class's own, which a key the file lacks takes (``size``,
+    ``resample``, ``do_center_crop``, ``crop_size``, ``image_mean``, ``image_std``);
+    ``drop_remainder`` is :class:`ClassicViTImageProcessor`'s (where the model's patch convolution
+    reads an output that is not whole patches).
     """
-    if rule not in RULES:
-        raise ValueError(f"unknown processor rule {rule!r}; choose one of {', '.join(RULES)}")
-    size, p = config.image_size, config.patch_size
-    settings: dict[str, Any]
-    if rule == "native":
-        settings = {
-            "patch_size": p,
-            "in_token_limit": NATIVE_BUDGET_FACTOR * config.grid_side**2,
-            "patch_limit_on_one_side": config.max_grid_side,
-            "resample": 3,
-        }
-    elif rule == "vit":
-        settings = {"rule": "vit", "patch_size": p, "size": (size, size), "resample": 2}
-    else:
-        resized = math.floor(size / DEIT_CROP_RATIO)
-        settings = {
-            "rule": "deit", "patch_size": p, "size": (resized, resized), "resample": 3, "crop_size": (size, size),
-            "image_mean": IMAGENET_MEAN, "image_std": IMAGENET_STD,
-        }  # fmt: skip
-    if base is not None:
-        settings.update(image_mean=base.image_mean, image_std=base.image_std)
-        if isinstance(base, _PatchRule):
-            settings["rescale_factor"] = base.rescale_factor
-            if rule == "native":
-                settings["resample"] = base.resample
-    cls = NativeViTImageProcessor if rule == "native" else ClassicViTImageProcessor
-    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
-    if unknown:
-        raise ValueError(f"{cls.__name__} has no setting {', '.join(unknown)} (the {rule!r} rule)")
-    return cls(**{**settings, **overrides})
+
+    def read(file: Path, values: dict[str, Any], patch_size: int) -> tuple[str, PatchRule]:
+        warn_unread_keys(file, values, _TRANSFORMERS_KEYS | TRANSFORMERS_BOOKKEEPING)
+        return rule, _from_transformers({**defaults, **values}, rule, patch_size, drop_remainder)
+
+    return read
 
 
-# ---- a folder's own rule -----------------------------------------------------------------------
-
-
-def own_rule(folder: Path, config: ClassicViTConfig) -> tuple[str, Processor] | None:
-    """The rule a classic-ViT folder's own files give, with its kind (``"vit"``, ``"deit"``,
-    ``"timm"``, ``"native"``, or ``"moonvit"`` for a MoonViT-style processor file), or None when
-    they give none.
-
-    Read in order: ``preprocessor_config.json`` (transformers' ``ViTImageProcessor`` /
-    ``DeiTImageProcessor``, their ``Pil`` / ``Fast`` variants and older ``...FeatureExtractor``
-    names, or this package's own :class:`ClassicViTImageProcessor`, :class:`NativeViTImageProcessor`
-    or :class:`~moonvit.media.processor.MoonViTImageProcessor` file), then a timm ``config.json``'s
-    ``pretrained_cfg``. The patch size is the tower's (``config``).
-
-    Raises:
-        CheckpointError: a file that is not valid JSON, names another processor type, or holds a
-            setting this package cannot reproduce (the file and key named).
-    """
-    file = folder / CONFIG_NAME
-    if file.is_file():
-        return _from_preprocessor_file(file, config)
-    model_file = folder / "config.json"
-    pretrained = read_json(model_file).get("pretrained_cfg") if model_file.is_file() else None
-    if pretrained is None:
-        return None
-    if not isinstance(pretrained, dict):
-        raise CheckpointError(f"{model_file}: pretrained_cfg is a {type(pretrained).__name__}, not an object")
-    try:
-        return "timm", _from_timm(pretrained, config.patch_size)
-    except (TypeError, ValueError) as error:
-        raise CheckpointError(f"{model_file}: pretrained_cfg: {error}") from error
-
-
-def _from_preprocessor_file(file: Path, config: ClassicViTConfig) -> tuple[str, Processor]:
-    values = read_json(file)
-    kind = values.get("image_processor_type", values.get("feature_extractor_type"))
-    own: dict[str, type[_PatchRule]] = {c.__name__: c for c in (ClassicViTImageProcessor, NativeViTImageProcessor)}
-    try:
-        if kind in own:
-            cls = own[kind]
-            fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-            warn_unread_keys(file, values, {*fields, "image_processor_type"})
-            processor = cls(**{k: v for k, v in values.items() if k in fields})
-            assert isinstance(processor, (ClassicViTImageProcessor, NativeViTImageProcessor))
-            return ("native" if isinstance(processor, NativeViTImageProcessor) else processor.rule), processor
-        if kind == MoonViTImageProcessor.__name__:
-            return "moonvit", MoonViTImageProcessor.from_pretrained(file)
-        name = str(kind).removesuffix("Pil").removesuffix("Fast").replace("FeatureExtractor", "ImageProcessor")
-        if name not in _TRANSFORMERS_TYPES:
-            raise CheckpointError(
-                f"{file}: image_processor_type {kind!r} is not a ViT or DeiT processor (ViTImageProcessor, "
-                "DeiTImageProcessor, or this package's ClassicViTImageProcessor / NativeViTImageProcessor); pass a "
-                "rule by name (vit, deit, native) to choose one"
-            )
-        warn_unread_keys(file, values, _TRANSFORMERS_KEYS | _TRANSFORMERS_BOOKKEEPING)
-        rule = _TRANSFORMERS_TYPES[name]
-        return rule, _from_transformers(values, rule, config.patch_size)
-    except (TypeError, ValueError) as error:  # CheckpointError is neither
-        raise CheckpointError(f"{file}: {error}") from error
-
-
-def _from_transformers(values: dict[str, Any], rule: str, patch_size: int) -> ClassicViTImageProcessor:
-    """transformers' ViT / DeiT processor settings (a ``preprocessor_config.json``), its class
-    defaults where a key is missing."""
-    settings = {**_TRANSFORMERS_DEFAULTS[rule], **values}
+def _from_transformers(
+    settings: dict[str, Any], rule: Rule, patch_size: int, drop_remainder: bool
+) -> ClassicViTImageProcessor:
+    """A fixed-shape transformers processor's settings (the file's over its class's defaults)."""
     if not settings.get("do_resize", True):
         raise ValueError(
             "do_resize false: the image's own size would decide its grid; use the native rule for images at "
             "their own size"
         )
-    fields: dict[str, Any] = {"rule": rule, "patch_size": patch_size, "resample": settings["resample"]}
+    fields: dict[str, Any] = {
+        "rule": rule, "patch_size": patch_size, "resample": settings["resample"], "drop_remainder": drop_remainder,
+    }  # fmt: skip
     fields.update(_size_fields(settings["size"], "size"))
     if settings.get("do_center_crop"):
         crop = _size_fields(settings.get("crop_size"), "crop_size")
         if "size" not in crop:
             raise ValueError(f"crop_size {settings.get('crop_size')!r}: a centre crop needs a height and width")
         fields["crop_size"] = crop["size"]
+    fields.update(transformers_normalisation(settings))
+    return ClassicViTImageProcessor(**fields)
+
+
+def transformers_normalisation(settings: dict[str, Any]) -> dict[str, Any]:
+    """``rescale_factor``, ``image_mean`` and ``image_std`` from a transformers processor's settings:
+    ``do_rescale`` false is a factor of 1, ``do_normalize`` false a mean of 0 and std of 1; a
+    missing mean or std is 0.5 (transformers' ``IMAGENET_STANDARD_*``)."""
+    fields: dict[str, Any] = {}
     fields["rescale_factor"] = settings.get("rescale_factor", 1 / 255) if settings.get("do_rescale", True) else 1.0
     if settings.get("do_normalize", True):
         fields["image_mean"] = _channels("image_mean", settings.get("image_mean", HALF))
         fields["image_std"] = _channels("image_std", settings.get("image_std", HALF))
     else:
         fields["image_mean"], fields["image_std"] = (0.0,) * 3, (1.0,) * 3  # (x - 0) / 1: x unchanged
-    return ClassicViTImageProcessor(**fields)
+    return fields
 
 
 def _size_fields(value: Any, key: str) -> dict[str, Any]:
@@ -596,7 +592,8 @@ def _channels(key: str, value: Any) -> tuple[float, ...]:
 
 def _from_timm(cfg: dict[str, Any], patch_size: int) -> ClassicViTImageProcessor:
     """timm's evaluation transform from a ``pretrained_cfg`` (timm's ``resolve_data_config`` defaults
-    where a key is missing: 224 px, bicubic, crop_pct 0.875, ImageNet's mean and std, centre mode)."""
+    where a key is missing: 224 px, bicubic, crop_pct 0.875, ImageNet's mean and std, centre mode).
+    A crop that is not whole patches keeps its top-left patches, as timm's patch convolution reads it."""
     input_size = cfg.get("input_size") or (3, 224, 224)
     if not isinstance(input_size, (list, tuple)) or len(input_size) != 3:
         raise ValueError(f"input_size {input_size!r} is not (channels, height, width)")
@@ -613,6 +610,7 @@ def _from_timm(cfg: dict[str, Any], patch_size: int) -> ClassicViTImageProcessor
         "resample": TIMM_INTERPOLATION[interpolation],
         "crop_size": (height, width),
         "crop_offset": "round",
+        "drop_remainder": True,
         "image_mean": _channels("mean", cfg.get("mean") or IMAGENET_MEAN),
         "image_std": _channels("std", cfg.get("std") or IMAGENET_STD),
     }
@@ -627,44 +625,232 @@ def _from_timm(cfg: dict[str, Any], patch_size: int) -> ClassicViTImageProcessor
     return ClassicViTImageProcessor(**fields)
 
 
-def from_folder(folder: Path, rule: str | None = None, **overrides: Any) -> Processor:
-    """The processor of a classic-ViT / DeiT folder: its own rule (``rule`` None), or the rule
-    ``rule`` names for its weights (:func:`processor_for_config`, with the folder's own rule as
-    ``base``; a name equal to the folder's own kind gives the folder's own rule unchanged).
-    ``overrides`` replace fields last. This is the classic-ViT family's loader for
-    :func:`moonvit.media.processor_for`.
+# ---- a family's rules and folders ----------------------------------------------------------------
 
-    Raises:
-        CheckpointError: the folder's config or processor files cannot be read, or ``rule`` is None
-            and the folder does not say its processor (the folder named).
-        ValueError: an unknown rule name, or an invalid override.
+
+@dataclass(frozen=True)
+class RuleSet:
+    """The processor rules of one family of ClassicViT towers, and how its folders give their own.
+
+    A folder's own rule is read from its ``preprocessor_config.json`` (one of :attr:`file_types`,
+    transformers' names; its ``Pil`` / ``Fast`` variants and older ``...FeatureExtractor`` names
+    too; one of :attr:`own_types`, this package's; or a
+    :class:`~moonvit.media.processor.MoonViTImageProcessor` file), else from a timm ``config.json``'s
+    ``pretrained_cfg``. A named rule takes the normalisation of the folder's own rule where it has
+    one (and the rules at each image's own size its filter too).
+
+    Attributes:
+        label: the family as messages name it (``"classic ViT / DeiT"``).
+        rules: each named rule's builder (:data:`RuleBuilder`), in the order they are listed.
+        file_types: transformers' ``image_processor_type`` names a folder's file may give, each with
+            its reader (:data:`FileReader`).
+        own_types: this package's processor classes a folder's file may name (as
+            ``save_pretrained`` writes them).
+        aliases: other names of a rule (``{"native": "naflex"}``: SigLIP2's native rule is NaFlex).
     """
-    if rule is not None and rule not in RULES:
-        raise ValueError(f"unknown processor rule {rule!r} for {folder}; choose one of {', '.join(RULES)}")
-    config, _ = read_config(folder)
-    if not isinstance(config, ClassicViTConfig):
-        raise CheckpointError(f"{folder} is not a classic ViT / DeiT checkpoint")
-    own = own_rule(folder, config)
-    if rule is None:
-        if own is None:
-            raise CheckpointError(
-                f"{folder}: cannot tell the checkpoint's processor: it has no {CONFIG_NAME} (transformers' "
-                "ViTImageProcessor / DeiTImageProcessor) and its config.json has no pretrained_cfg (timm's); choose a "
-                f"rule by name: {', '.join(RULES)}"
-            )
-        return _replace(own[1], overrides, folder)
-    if own is not None and own[0] == rule:
-        return _replace(own[1], overrides, folder)
-    return processor_for_config(config, rule, base=None if own is None else own[1], **overrides)
+
+    label: str
+    rules: Mapping[str, RuleBuilder]
+    file_types: Mapping[str, FileReader]
+    own_types: tuple[type[PatchRule], ...] = (ClassicViTImageProcessor, NativeViTImageProcessor)
+    aliases: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every rule name (the family's ``Family.processors``)."""
+        return (*self.rules, *self.aliases)
+
+    def for_config(
+        self, config: ClassicViTConfig, rule: str, *, base: Processor | None = None, **overrides: Any
+    ) -> PatchRule:
+        """The rule ``rule`` for a tower of ``config``: the builder's settings, the normalisation
+        (``rescale_factor``, ``image_mean``, ``image_std``) of ``base`` (the checkpoint's own rule)
+        where given, and for a rule at each image's own size (not a
+        :class:`ClassicViTImageProcessor`) ``base``'s filter; ``overrides`` replace any field last.
+
+        Raises:
+            ValueError: an unknown rule name, or an invalid override.
+        """
+        name = self.aliases.get(rule, rule)
+        if name not in self.rules:
+            raise ValueError(f"unknown processor rule {rule!r}; choose one of {', '.join(self.names)}")
+        cls, settings = self.rules[name](config)
+        if base is not None:
+            settings.update(image_mean=base.image_mean, image_std=base.image_std)
+            if isinstance(base, PatchRule):
+                settings["rescale_factor"] = base.rescale_factor
+                if cls is not ClassicViTImageProcessor:
+                    settings["resample"] = base.resample
+        unknown = sorted(set(overrides) - _field_names(cls))
+        if unknown:
+            raise ValueError(f"{cls.__name__} has no setting {', '.join(unknown)} (the {rule!r} rule)")
+        return cls(**{**settings, **overrides})
+
+    def own_rule(self, folder: Path, config: ClassicViTConfig) -> tuple[str, Processor] | None:
+        """The rule a folder's own files give, with its kind (a rule name, ``"timm"``, or
+        ``"moonvit"`` for a MoonViT-style processor file), or None when they give none. The patch
+        size is the tower's (``config``).
+
+        Raises:
+            CheckpointError: a file that is not valid JSON, names another processor type, or holds a
+                setting this package cannot reproduce (the file and key named).
+        """
+        file = folder / CONFIG_NAME
+        if file.is_file():
+            return self._from_preprocessor_file(file, config)
+        model_file = folder / "config.json"
+        pretrained = read_json(model_file).get("pretrained_cfg") if model_file.is_file() else None
+        if pretrained is None:
+            return None
+        if not isinstance(pretrained, dict):
+            raise CheckpointError(f"{model_file}: pretrained_cfg is a {type(pretrained).__name__}, not an object")
+        try:
+            return "timm", _from_timm(pretrained, config.patch_size)
+        except (TypeError, ValueError) as error:
+            raise CheckpointError(f"{model_file}: pretrained_cfg: {error}") from error
+
+    def from_folder(self, folder: Path, rule: str | None = None, **overrides: Any) -> ImageProcessor:
+        """The processor of a folder of the family: its own rule (``rule`` None), or the rule
+        ``rule`` names for its weights (:meth:`for_config`, with the folder's own rule as ``base``;
+        a name of the folder's own kind gives the folder's own rule unchanged). ``overrides``
+        replace fields last. The family's loader for :func:`moonvit.media.processor_for`.
+
+        Raises:
+            CheckpointError: the folder's config or processor files cannot be read, or ``rule`` is
+                None and the folder does not say its processor (the folder and the rules named).
+            ValueError: an unknown rule name, or an invalid override.
+        """
+        if rule is not None and rule not in self.names:
+            raise ValueError(f"unknown processor rule {rule!r} for {folder}; choose one of {', '.join(self.names)}")
+        config, _ = read_config(folder)
+        if not isinstance(config, ClassicViTConfig):
+            raise CheckpointError(f"{folder} is not a {self.label} checkpoint")
+        own = self.own_rule(folder, config)
+        if rule is None:
+            if own is None:
+                raise CheckpointError(
+                    f"{folder}: cannot tell the checkpoint's processor: it has no {CONFIG_NAME} (transformers' "
+                    f"{' / '.join(self.file_types)}) and its config.json has no pretrained_cfg (timm's); choose a "
+                    f"rule by name: {', '.join(self.names)}"
+                )
+            return _as_processor(_replace(own[1], overrides, folder))
+        if own is not None and own[0] == self.aliases.get(rule, rule):
+            return _as_processor(_replace(own[1], overrides, folder))
+        return _as_processor(self.for_config(config, rule, base=None if own is None else own[1], **overrides))
+
+    def _from_preprocessor_file(self, file: Path, config: ClassicViTConfig) -> tuple[str, Processor]:
+        values = read_json(file)
+        kind = values.get("image_processor_type", values.get("feature_extractor_type"))
+        own = {cls.__name__: cls for cls in self.own_types}
+        try:
+            if kind in own:
+                cls = own[kind]
+                fields = _field_names(cls)
+                warn_unread_keys(file, values, {*fields, "image_processor_type"})
+                processor = cls(**{k: v for k, v in values.items() if k in fields})
+                return processor.kind, processor
+            if kind == MoonViTImageProcessor.__name__:
+                return "moonvit", MoonViTImageProcessor.from_pretrained(file)
+            name = str(kind).removesuffix("Pil").removesuffix("Fast").replace("FeatureExtractor", "ImageProcessor")
+            if name not in self.file_types:
+                short = [t.removesuffix("ImageProcessor") for t in self.file_types]
+                raise CheckpointError(
+                    f"{file}: image_processor_type {kind!r} is not a {' or '.join(short)} processor "
+                    f"({', '.join(self.file_types)}, or this package's {' / '.join(own)}); pass a rule by name "
+                    f"({', '.join(self.names)}) to choose one"
+                )
+            return self.file_types[name](file, values, config.patch_size)
+        except CheckpointError:  # already names the file
+            raise
+        except (TypeError, ValueError) as error:
+            raise CheckpointError(f"{file}: {error}") from error
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _as_processor(processor: Processor) -> ImageProcessor:
+    # each PatchRule subclass is an ImageProcessor (its budget a field or a property of its own)
+    return cast(ImageProcessor, processor)
 
 
 def _replace(processor: Processor, overrides: dict[str, Any], folder: Path) -> Processor:
     if not overrides:
         return processor
     try:
-        return dataclasses.replace(processor, **overrides)
+        return dataclasses.replace(processor, **overrides)  # type: ignore[type-var]
     except TypeError as error:  # an unknown field
         raise ValueError(f"{folder}: {type(processor).__name__} has no such setting: {error}") from error
+
+
+# ---- the classic ViT's and DeiT's --------------------------------------------------------------
+
+# transformers' own class defaults (ViTImageProcessor, DeiTImageProcessor), which a key the file lacks
+# takes: both normalise with 0.5 by default; the DeiT releases' files give ImageNet's.
+_VIT_DEFAULTS: dict[str, Any] = {"size": {"height": 224, "width": 224}, "resample": 2}
+_DEIT_DEFAULTS: dict[str, Any] = {
+    "size": {"height": 256, "width": 256}, "resample": 3, "do_center_crop": True,
+    "crop_size": {"height": 224, "width": 224},
+}  # fmt: skip
+
+VIT_RULES = RuleSet(
+    label="classic ViT / DeiT",
+    rules={"vit": vit_rule, "deit": deit_rule, "native": native_rule},
+    file_types={
+        "ViTImageProcessor": fixed_file_reader("vit", _VIT_DEFAULTS),
+        "DeiTImageProcessor": fixed_file_reader("deit", _DEIT_DEFAULTS),
+    },
+)
+"""The classic ViT / DeiT family's rules (:data:`RULES`) and folders."""
+RULES = VIT_RULES.names
+"""The rules chosen by name (``Family.processors`` of the classic-ViT family): vit, deit, native."""
+
+
+def processor_for_config(
+    config: ClassicViTConfig, rule: str = "vit", *, base: Processor | None = None, **overrides: Any
+) -> ClassicViTImageProcessor | NativeViTImageProcessor:
+    """The rule ``rule`` for a classic ViT / DeiT tower of ``config`` (a preset's, or a folder's).
+
+    The geometry is the named rule's at the tower's ``image_size`` and ``patch_size``: ``vit``
+    resizes to ``image_size`` square (bilinear); ``deit`` resizes to ``floor(image_size * 256 / 224)``
+    square (bicubic) and crops ``image_size``; ``native`` gives :class:`NativeViTImageProcessor` with
+    a budget of :data:`NATIVE_BUDGET_FACTOR` times the native grid and the tower's ``max_grid_side``.
+    The normalisation (and the native rule's filter) is ``base``'s, the checkpoint's own rule, where
+    given; else the named rule's: 0.5 / 0.5 for ``vit`` and ``native``, ImageNet's for ``deit``.
+    ``overrides`` replace any field last (:meth:`RuleSet.for_config`).
+
+    Raises:
+        ValueError: an unknown rule name, or an invalid override.
+    """
+    processor = VIT_RULES.for_config(config, rule, base=base, **overrides)
+    assert isinstance(processor, (ClassicViTImageProcessor, NativeViTImageProcessor))
+    return processor
+
+
+def own_rule(folder: Path, config: ClassicViTConfig) -> tuple[str, Processor] | None:
+    """The rule a classic-ViT folder's own files give, with its kind (``"vit"``, ``"deit"``,
+    ``"timm"``, ``"native"``, or ``"moonvit"`` for a MoonViT-style processor file), or None when
+    they give none (:meth:`RuleSet.own_rule`).
+
+    Raises:
+        CheckpointError: a file that is not valid JSON, names another processor type, or holds a
+            setting this package cannot reproduce (the file and key named).
+    """
+    return VIT_RULES.own_rule(folder, config)
+
+
+def from_folder(folder: Path, rule: str | None = None, **overrides: Any) -> ImageProcessor:
+    """The processor of a classic-ViT / DeiT folder: its own rule (``rule`` None), or the rule
+    ``rule`` names for its weights (:meth:`RuleSet.from_folder`). The classic-ViT family's loader
+    for :func:`moonvit.media.processor_for`.
+
+    Raises:
+        CheckpointError: the folder's config or processor files cannot be read, or ``rule`` is None
+            and the folder does not say its processor (the folder named).
+        ValueError: an unknown rule name, or an invalid override.
+    """
+    return VIT_RULES.from_folder(folder, rule, **overrides)
 
 
 register_processor_loader("classic-vit", from_folder)
