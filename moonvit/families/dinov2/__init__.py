@@ -4,7 +4,8 @@ the giant's SwiGLU MLP, each a field of :class:`~moonvit.families.vit.ClassicViT
 
 - :mod:`.config`: the released sizes and presets (:func:`dinov2_config`, :func:`dinov2_preset`);
 - :mod:`.formats`: transformers' ``dinov2`` / ``dinov2_with_registers`` folders and timm's
-  ``vit_*_patch14[_reg4]_dinov2`` folders (config keys, tensor names).
+  ``vit_*_patch14[_reg4]_dinov2`` folders (config keys, tensor names);
+- :mod:`.processor`: the releases' processor (``dinov2``) and the native-resolution rule (``native``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from ..vit.config import ClassicViTConfig
 from ..vit.model import ClassicViT
 from . import formats
 from .config import PRESETS, SIZES, dinov2_config, dinov2_preset, swiglu_hidden_size
+from .processor import DINOV2_RULES
 
-__all__ = ["PRESETS", "SIZES", "dinov2_config", "dinov2_preset", "swiglu_hidden_size"]
+__all__ = ["DINOV2_RULES", "PRESETS", "SIZES", "dinov2_config", "dinov2_preset", "swiglu_hidden_size"]
 
 register_family(
     Family(
@@ -26,6 +28,6 @@ register_family(
         claims=formats.claims,
         read=formats.read,
         build=ClassicViT,
-        processors=(),
+        processors=DINOV2_RULES.names,
     )
 )
