@@ -14,9 +14,13 @@ What differs from a MoonViT tower, in one place:
 - **its classifier**: the tower's own head(s) when it has them, refitted to the dataset's classes
   (a fresh zero-initialised ``D x K`` layer, the ViT paper's fine-tuning recipe) when the count differs;
 - **what of it trains**: ``--freeze tower`` keeps the tower's head(s) training (a linear probe),
-  ``--freeze-blocks N`` also freezes the prefix tokens and the table; transformers' pooler, which no
-  objective reads, stays as loaded. LoRA and ``--save-layout release``
-  are MoonViT's and refused here, naming the alternative.
+  ``--freeze-blocks N`` also freezes the prefix tokens (CLS, the distillation token, the registers) and
+  the table; a block's LayerScale is its block's. transformers' pooler, which no objective reads, stays
+  as loaded, and so does the MAP head (SigLIP's ``attn_pool``) where the objective reads no ``pooled``
+  (feature distillation, DeiT's two heads) (:func:`freeze_unread`); where it does read it, the MAP head
+  is the tower's top, above its blocks as the final norm is: frozen by ``--freeze tower`` (the probe
+  reads the frozen tower's own pooled embedding), trained by ``--freeze-blocks N``. LoRA and
+  ``--save-layout release`` are MoonViT's and refused here, naming the alternative.
 """
 
 from __future__ import annotations
@@ -47,7 +51,9 @@ __all__ = [
     "ClassicViT",
     "classic_processor",
     "classic_tower",
+    "TOKEN_NAMES",
     "fit_heads",
+    "freeze_unread",
     "head_parameter",
     "is_classic",
     "processor_of",
@@ -67,6 +73,9 @@ Encoder = MoonViT | ClassicViT
 EncoderConfig = MoonViTConfig | ClassicViTConfig
 HEAD_NAMES = ("head", "head_dist")
 """The tower's classifier modules: trained as the objective's head (``--head-lr``, never frozen by ``--freeze``)."""
+TOKEN_NAMES = ("cls_token", "dist_token", "reg_token")
+"""The tower's prefix-token parameters (CLS, DeiT's distillation token, DINOv2's registers): embeddings, frozen by
+``--freeze-blocks``, not weight-decayed, at depth 0 for layer-wise decay."""
 
 
 class ClassicError(ValueError):
@@ -206,12 +215,28 @@ def head_parameter(name: str) -> bool:
     return name.split(".", 1)[0] in HEAD_NAMES
 
 
+def freeze_unread(tower: ClassicViT, *, pooled: bool, heads: bool) -> None:
+    """Keep as loaded, in place, what of ``tower`` the objective's loss never reaches: the MAP head unless the loss
+    reads ``out.pooled`` (``pooled``), the classifier head(s) unless it reads them (``heads``).
+
+    Such a weight would only drift under weight decay, and stall DDP, whose reduction waits for a gradient of every
+    parameter that requires one.
+    """
+    if not pooled and tower.attn_pool is not None:
+        tower.attn_pool.requires_grad_(False)
+    if not heads:
+        for name, param in tower.named_parameters():
+            if head_parameter(name):
+                param.requires_grad_(False)
+
+
 # ---- what trains ---------------------------------------------------------------------------------
 
 
 def select_trainable_classic(tower: ClassicViT, model: ModelSection) -> None:
-    """``--freeze tower`` (every weight but the heads') or ``--freeze-blocks N`` (the patch embedding, the
-    prefix tokens, the table and the first N blocks), in place; frozen blocks lose their stochastic depth.
+    """``--freeze tower`` (every weight but the heads', the MAP head's too) or ``--freeze-blocks N`` (the patch
+    embedding, the prefix tokens, the table and the first N blocks with their LayerScales), in place; frozen blocks
+    lose their stochastic depth.
 
     Raises:
         ClassicError: ``--lora-rank`` (MoonViT's linears' names), or more blocks than the tower has.
@@ -239,7 +264,8 @@ def select_trainable_classic(tower: ClassicViT, model: ModelSection) -> None:
             )
         tower.patch_embed.requires_grad_(False)
         tower.pos_embed.requires_grad_(False)
-        for token in (tower.cls_token, tower.dist_token):
+        for name in TOKEN_NAMES:
+            token = getattr(tower, name)
             if token is not None:
                 token.requires_grad_(False)
         for block in blocks[:frozen]:

@@ -1,10 +1,11 @@
 """AdamW with the ViT recipe's parameter groups, and the warmup + cosine learning-rate schedule.
 
-Groups: weight decay on matrices only (none on norms, biases, the position table and a classic ViT's
-prefix tokens); with ``layer_decay`` < 1 (fine-tuning a pretrained tower) each encoder depth gets
-``lr * layer_decay ** (depth + 1 - d)``: the patch embedding (and a classic ViT's table and prefix
-tokens) is depth 0, block i depth i + 1, the final norm depth ``num_layers + 1`` (full rate); the
-objective's own parameters (a new head), and a classic ViT's own head(s), get ``head_lr``.
+Groups: weight decay on matrices only (none on norms, biases, LayerScale, the position table, a classic ViT's
+prefix tokens and its MAP head's latent query); with ``layer_decay`` < 1 (fine-tuning a pretrained tower) each
+encoder depth gets ``lr * layer_decay ** (depth + 1 - d)``: the patch embedding (and a classic ViT's table and
+prefix tokens, registers included) is depth 0, block i depth i + 1 (its LayerScale with it), the final norm (and
+the MAP head above it) depth ``num_layers + 1`` (full rate); the objective's own parameters (a new head), and a
+classic ViT's own head(s), get ``head_lr``.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .classic import Encoder, head_parameter, is_classic
+from .classic import TOKEN_NAMES, Encoder, head_parameter, is_classic
 
 __all__ = ["OptimConfig", "build_optimizer", "build_schedule", "lr_factor", "param_groups"]
 
-NO_DECAY_NAMES = ("pos_emb.weight", "pos_embed", "cls_token", "dist_token")
-"""Parameters besides norms and biases (every 1-D tensor) that are not weight-decayed: MoonViT's table, and a
-classic ViT's table and prefix tokens (as timm's ``no_weight_decay``)."""
-EMBEDDING_NAMES = ("patch_embed.", "pos_embed", "cls_token", "dist_token")
+NO_DECAY_NAMES = ("pos_emb.weight", "pos_embed", *TOKEN_NAMES, "attn_pool.latent")
+"""Parameters besides norms, biases and LayerScales (every 1-D tensor) that are not weight-decayed: MoonViT's table,
+and a classic ViT's table and prefix tokens (as timm's ``no_weight_decay``), registers included, and its MAP head's
+latent query (a learned token as CLS is)."""
+EMBEDDING_NAMES = ("patch_embed.", "pos_embed", *TOKEN_NAMES)
 """Names that start depth 0 (below the first block) for layer-wise decay."""
 
 

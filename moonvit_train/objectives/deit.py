@@ -40,7 +40,7 @@ from moonvit import CheckpointError, MoonViT, MoonViTImageProcessor, build_packe
 from moonvit.cli import checkpoint_source, drop_rate
 
 from ..batch import Batch
-from ..classic import ClassicViT, Encoder, fit_heads, is_classic, processor_of
+from ..classic import ClassicViT, Encoder, fit_heads, freeze_unread, is_classic, processor_of
 from ..plan import PlannedTrainImage
 from .base import Objective, ObjectiveOutput
 from .distill import TeacherError, _channel_stats
@@ -216,6 +216,7 @@ class DeiTObjective(Objective):
         if not (isinstance(encoder, ClassicViT) and encoder.config.distillation_token):
             raise TrainError(NOT_DEIT)
         fit_heads(encoder, len(classes), distilled=True)
+        freeze_unread(encoder, pooled=False, heads=True)  # the two heads read the CLS and distillation rows
         try:
             student_processor = processor_of(encoder, model.checkpoint, model.preset)
             teacher = load_teacher_classifier(o.teacher)

@@ -48,7 +48,7 @@ from moonvit.cli import checkpoint_source, non_negative_float, positive_int
 from moonvit.files import save_safetensors_atomic
 
 from ..batch import Batch, kept_rows
-from ..classic import ClassicViT, Encoder, head_parameter, processor_of
+from ..classic import ClassicViT, Encoder, freeze_unread, processor_of
 from ..plan import PlannedTrainImage
 from .base import Objective, ObjectiveOutput
 
@@ -189,10 +189,8 @@ class DistillObjective(Objective):
             raise TrainError(f"cannot load --teacher {o.teacher}: {failure}") from failure
         student_processor = processor_of(encoder, config.model.checkpoint, config.model.preset)
         if isinstance(encoder, ClassicViT):
-            # No classifier learns here: a classic tower's head(s) stay as loaded (and, never reaching the loss, out
-            # of DDP's reduction, which a parameter that never gets a gradient would stall)
-            for name, param in encoder.named_parameters():
-                param.requires_grad_(param.requires_grad and not head_parameter(name))
+            # The loss reads the patch rows alone: a classic tower's head(s) and MAP head stay as loaded
+            freeze_unread(encoder, pooled=False, heads=False)
         name = str(o.teacher).rstrip("/").rsplit("/", 1)[-1]
         try:
             return cls(encoder, student_processor, teacher, teacher_processor, name, o.cosine_weight,

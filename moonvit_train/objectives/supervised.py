@@ -4,8 +4,8 @@ those are on, of
 - a MoonViT's mean-pooled patch features -> LayerNorm -> Linear (the objective's head);
 - a classic ViT / DeiT's own head (``out.logits``; DeiT with teacher: the mean of its two heads), refitted to
   the dataset's classes where its count differs (:func:`moonvit_train.classic.fit_heads`);
-- a classic ViT without a head: its ``out.pooled`` (the CLS row, or the patch mean of a GAP tower) ->
-  LayerNorm -> Linear (the objective's head)."""
+- a classic ViT without a head: its ``out.pooled`` (the CLS row, the patch mean of a GAP tower, or a SigLIP
+  tower's MAP head output) -> LayerNorm -> Linear (the objective's head)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from moonvit.model.encoder import MoonViTOutput
 from moonvit_eval.metrics import classification_metrics
 
 from ..batch import Batch
-from ..classic import ClassicViT, Encoder, fit_heads, is_classic
+from ..classic import ClassicViT, Encoder, fit_heads, freeze_unread, is_classic
 from ..plan import PlannedTrainImage
 from .base import Objective, ObjectiveOutput
 
@@ -45,7 +45,10 @@ __all__ = [
 
 HEAD_FILE = "head.safetensors"
 MEAN_INPUT = "mean of each image's patch tokens (last_hidden_state), pool_features(out, grid)"
-POOLED_INPUT = "out.pooled: the CLS row after the final norm (a GAP tower: the mean of its patch rows)"
+POOLED_INPUT = (
+    "out.pooled: the CLS row after the final norm (a GAP tower: the mean of its patch rows; a MAP tower: its "
+    "attention-pooling head's output)"
+)
 """What the objective's head reads, as ``head.json`` says it (a MoonViT's, a classic ViT's)."""
 
 
@@ -121,6 +124,8 @@ class SupervisedObjective(Objective):
         if tower_head:
             assert isinstance(encoder, ClassicViT)
             fit_heads(encoder, len(classes), encoder.config.distilled_head)
+        if isinstance(encoder, ClassicViT):  # DeiT's two heads read the prefix rows, not pooled
+            freeze_unread(encoder, pooled=not (tower_head and encoder.config.distilled_head), heads=True)
         return cls(encoder.config.hidden_size, classes, options.smoothing, tower_head, is_classic(encoder))
 
     def metrics(self, means: dict[str, float]) -> dict[str, float]:
