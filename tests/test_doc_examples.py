@@ -44,6 +44,7 @@ from helpers import (
     write_video,
 )
 from PIL import Image
+from test_openvla import write_openvla_folder
 
 from moonvit import MoonViT, MoonViTImageProcessor, preset_config
 from moonvit.model.linear import set_cpu_bf16_matmul
@@ -194,6 +195,7 @@ def build_workspace(root: Path) -> Workspace:
     write_k3_release_folder(root / "path/to/Kimi-K3", k3, tiny_k3_projector(k3))
     write_locateanything_folder(root / "path/to/LocateAnything-3B", *tiny_locateanything(dtype=torch.float32))
     write_vit_folder(root / "path/to/vit-base-patch16-224")
+    write_openvla_folder(root / "path/to/openvla-7b")  # OpenVLA's keys at test size: patch 4, 16 px
     Image.new("RGB", (70, 42), (200, 40, 90)).save(root / "street.jpg")
     Image.new("RGBA", (30, 58), (20, 90, 200, 128)).save(root / "logo.png")
     if importlib.util.find_spec("av") is not None:  # else the video block is skipped (FILE_NEEDS)

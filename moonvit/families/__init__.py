@@ -12,7 +12,8 @@ The built-in families, each in its own module or package:
   transformers' ``kimi_k25``, Kimi K3, NVIDIA LocateAnything-3B, and this package's own folders);
 - :mod:`.vit`: the classic ViT and DeiT (config, key maps, the tower module, its processor rules);
 - :mod:`.dinov2`: DINOv2 and DINOv2 with registers (configs of the classic-ViT tower; transformers'
-  and timm's folders).
+  and timm's folders);
+- :mod:`.openvla`: OpenVLA's (Prismatic's) fused DINOv2 + SigLIP backbone and its projector.
 
 A family that recognises a ``config.json`` by a mark of its own (a ``model_type``, a key only it
 has) is *specific*; a family that takes whatever has a shape (any ``vision_config``: Kimi-VL's; no
@@ -46,7 +47,7 @@ class Family:
         config_type: the class of its towers' configs (the loader builds ``build(config)`` for one).
         claims: ``claims(values)``: whether a ``config.json`` dict is this family's.
         read: ``read(values, where, names)``: the tower's config and the layout of its tensors
-            (an object with ``name``, ``prefix`` and ``source(model_name)``, as
+            (an object with ``name``, ``prefix`` (a str, or a tuple of them) and ``source(model_name)``, as
             :class:`~moonvit.weights.formats.TowerLayout`, and optionally ``unused(name)``: tensors
             under ``prefix`` the tower knows and does not read, as DINOv2's mask token), from the
             ``config.json`` dict read from ``where`` and the folder's tensor names (read from the
@@ -123,4 +124,4 @@ def _load_builtin() -> None:
     _BUILTIN_STARTED = True
     # The specific families' claims do not overlap (tests/test_family_registry.py), so the order they
     # register in (which of them a program imports first) does not change what the loader reads.
-    from . import dinov2, moonvit, vit  # noqa: F401
+    from . import dinov2, moonvit, openvla, vit  # noqa: F401
