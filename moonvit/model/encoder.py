@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import sys
 import warnings
 from collections.abc import Sequence
@@ -45,6 +46,7 @@ class MoonViTOutput:
         hidden_states: with ``output_hidden_states``, num_hidden_layers + 1 tensors
             of (L, D): the embeddings, then each block's output (before the final
             norm); with ``hidden_state_indices``, only those entries, in the order asked.
+            (:func:`moonvit.model.features.intermediates` reads them, normed or not.)
 
     Towers with prefix tokens (the classic ViT, DeiT) also fill, with N the pack's items:
 
@@ -57,6 +59,8 @@ class MoonViTOutput:
             two heads).
         head_logits: (N, 2, classes) DeiT's CLS and distillation heads, apart (training).
         pooler_output: (N, D) transformers' ViTModel pooler, where the folder has one.
+        hidden_prefix_tokens: with hidden states asked, each kept hidden state's (N, n_prefix, D)
+            prefix rows (before the final norm), beside ``hidden_states``' patch rows.
 
     The MoonViT towers leave them None.
     """
@@ -69,6 +73,7 @@ class MoonViTOutput:
     logits: torch.Tensor | None = None
     head_logits: torch.Tensor | None = None
     pooler_output: torch.Tensor | None = None
+    hidden_prefix_tokens: tuple[torch.Tensor, ...] | None = None
 
 
 class PatchEmbed(nn.Module):
@@ -225,6 +230,12 @@ class MoonViT(nn.Module):
     def device(self) -> torch.device:
         return self.patch_embed.proj.weight.device
 
+    @property
+    def final_norm(self) -> nn.Module:
+        """The norm after the last block (LayerNorm, or K3's RMSNorm): what ``last_hidden_state`` has
+        been through and the hidden states have not."""
+        return self.encoder.final_layernorm
+
     def set_attn_implementation(self, attn_implementation: str) -> None:
         """Switch the attention backend: ``auto`` or a registered one (flash_attention_2, openvino, sdpa,
         flex, eager)."""
@@ -364,17 +375,26 @@ class MoonViT(nn.Module):
             raise ValueError(f"pixel_values is on {pixel_values.device}, the model on {self.device}")
 
 
-def hidden_indices(count: int, output_hidden_states: bool, indices: Sequence[int] | None) -> tuple[int, ...]:
+def hidden_indices(
+    count: int, output_hidden_states: bool, indices: Sequence[int] | None, what: str = "hidden_state_indices"
+) -> tuple[int, ...]:
     """The hidden states a forward keeps, of ``count`` (the embeddings and each block): all with
-    ``output_hidden_states``, else ``indices`` resolved (negative from the end), else none."""
+    ``output_hidden_states``, else ``indices`` resolved (negative from the end), else none;
+    ``what`` names the argument in the error of an index out of range or not an int."""
     if indices is None:
         return tuple(range(count)) if output_hidden_states else ()
     resolved = []
-    for index in indices:
+    for given in indices:
+        if isinstance(given, bool):
+            raise TypeError(f"{what}: {given!r} is not an int")
+        try:
+            index = operator.index(given)  # an int, NumPy's or a 0-d integer tensor
+        except TypeError:
+            raise TypeError(f"{what}: {given!r} is not an int") from None
         if not -count <= index < count:
             raise ValueError(
-                f"hidden_state_indices: {index} is out of range for {count} hidden states "
-                f"(the embeddings and {count - 1} blocks)"
+                f"{what}: {index} is out of range for {count} hidden states "
+                f"(the embeddings and {count - 1} blocks: {-count} .. {count - 1})"
             )
         resolved.append(index % count)
     return tuple(resolved)

@@ -325,6 +325,12 @@ class ClassicViT(nn.Module):
     def device(self) -> torch.device:
         return self.patch_embed.proj.weight.device
 
+    @property
+    def final_norm(self) -> nn.Module:
+        """The norm after the last block (timm's ``norm``): what ``last_hidden_state``, ``prefix_tokens``
+        and ``pooled`` have been through and the hidden states have not."""
+        return self.norm
+
     def set_attn_implementation(self, attn_implementation: str) -> None:
         check_attn_implementation(attn_implementation)
         self.config.attn_implementation = attn_implementation
@@ -419,7 +425,8 @@ class ClassicViT(nn.Module):
             grid_thws: (N, 2) rows (h, w) or (N, 3) rows (1, h, w).
             grid: precomputed :meth:`prepare_grid` output, instead of ``grid_thws``.
             output_hidden_states / hidden_state_indices: the hidden states (0 = embeddings, i = block
-                i's output, before the final norm) as (L, D) patch rows, as for every tower.
+                i's output, before the final norm): ``hidden_states`` (L, D) patch rows, as for every
+                tower, and ``hidden_prefix_tokens`` (N, n_prefix, D) each item's prefix rows.
         """
         if grid is None:
             if grid_thws is None:
@@ -446,7 +453,7 @@ class ClassicViT(nn.Module):
         x = x + self._positions(grid)
         tokens = self._with_prefix(x, grid.num_images, pack)
 
-        hidden = {0: x} if 0 in selected else {}
+        hidden = {0: tokens} if 0 in selected else {}
         attn_implementation = resolve_attn_implementation(self.config.attn_implementation, self.device, self.dtype)
         attn_implementation = attention_for_call(attn_implementation, tokens, *self.parameters())
         attend = bind_attention(attn_implementation, pack.grid)
@@ -456,7 +463,7 @@ class ClassicViT(nn.Module):
             else:
                 tokens = block(tokens, attend, pack.grid)
             if i in selected:
-                hidden[i] = tokens.index_select(0, pack.patch_rows)
+                hidden[i] = tokens  # every token row: split into patch and prefix rows in _outputs
         tokens = self.norm(tokens)
         return self._outputs(tokens, pack, grid, tuple(hidden[i] for i in selected) if selected else None)
 
@@ -481,16 +488,25 @@ class ClassicViT(nn.Module):
             prefix = torch.cat([prefix[:1], self.reg_token[0], prefix[1:]])
         return prefix
 
+    def _split(self, tokens: torch.Tensor, pack: PrefixedPack, items: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, D) token rows -> (L, D) the patch rows, in ``pixel_values``' order, and (N, n_prefix, D) each
+        item's prefix rows."""
+        count = self.config.num_prefix_tokens
+        patches = tokens if count == 0 else tokens.index_select(0, pack.patch_rows)
+        return patches, tokens.index_select(0, pack.prefix_rows).view(items, count, tokens.shape[-1])
+
     def _outputs(
         self,
         tokens: torch.Tensor,
         pack: PrefixedPack,
         grid: PackedGrid,
-        hidden_states: tuple[torch.Tensor, ...] | None,
+        hidden: tuple[torch.Tensor, ...] | None,
     ) -> MoonViTOutput:
-        count, items = self.config.num_prefix_tokens, grid.num_images
-        patches = tokens if count == 0 else tokens.index_select(0, pack.patch_rows)
-        prefix = tokens.index_select(0, pack.prefix_rows).view(items, count, tokens.shape[-1])
+        items = grid.num_images
+        patches, prefix = self._split(tokens, pack, items)
+        hidden_states = hidden_prefix = None
+        if hidden is not None:
+            hidden_states, hidden_prefix = (tuple(rows) for rows in zip(*(self._split(h, pack, items) for h in hidden)))
         if self.config.pool == "token":
             pooled = prefix[:, 0]
         elif self.attn_pool is not None:
@@ -513,6 +529,7 @@ class ClassicViT(nn.Module):
             logits=logits,
             head_logits=head_logits,
             pooler_output=None if self.pooler is None else self.pooler(prefix[:, 0]),
+            hidden_prefix_tokens=hidden_prefix,
         )
 
 
