@@ -361,3 +361,25 @@ def test_the_graphs_map_head_pools_each_item_alone(vla_exports):
     for i, grid in enumerate(grids):
         alone = sess.run(["pooled"], onnx_inputs(model.config, pixels[starts[i] : starts[i + 1]], [grid]))[0]
         np.testing.assert_allclose(pooled[i : i + 1], alone, rtol=0, atol=1e-5 * np.abs(alone).max(), err_msg=str(grid))
+
+
+def test_cli_exports_a_transformers_dinov2_with_registers_folder(tmp_path):
+    """transformers' Dinov2WithRegistersModel folder (registers, SwiGLU, LayerScale, its antialiased bicubic table)
+    exports through the command line, which checks it against the loaded tower (to 1e-4) on its own pack; two packs
+    of ours through the same file agree too."""
+    from transformers import Dinov2WithRegistersConfig, Dinov2WithRegistersModel
+
+    config = Dinov2WithRegistersConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2, image_size=128, patch_size=PATCH,
+        num_register_tokens=2, use_swiglu_ffn=True,
+    )  # fmt: skip
+    randomise_(Dinov2WithRegistersModel(config), seed=4).save_pretrained(tmp_path / "dinov2")
+    summary = onnx_main(["--checkpoint", str(tmp_path / "dinov2"), "--out", str(tmp_path / "dinov2.onnx")])
+    assert summary["outputs"] == ["last_hidden_state", "prefix_tokens", "pooled"]
+    assert max(summary["check"].values()) < 1e-4, summary["check"]
+    model = MoonViT.from_pretrained(tmp_path / "dinov2")
+    assert isinstance(model, ClassicViT) and model.config.num_register_tokens == 2
+    sess = session(tmp_path / "dinov2.onnx")
+    for seed, grids in enumerate([PACK_A, PACK_B]):
+        errors = compare_with_model(sess, model, pixels_for(grids, seed=seed), grids)
+        assert max(errors.values()) < 1e-4, (grids, errors)

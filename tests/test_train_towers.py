@@ -223,3 +223,29 @@ def test_what_these_towers_cannot_take_is_one_line(tmp_path, folders, flags, mes
     flags = [str(named.get(flag, flag)) for flag in flags]
     with pytest.raises(SystemExit, match="error: .*" + re.escape(message)):
         train(*DIGITS, *flags, "--steps", "1", "--out", tmp_path / "run")
+
+
+# ---- from transformers' folders (the families' loaders) ----------------------------------------------
+
+
+def test_a_transformers_dinov2_with_registers_folder_fine_tunes(tmp_path):
+    """transformers' Dinov2WithRegistersModel (2 registers, SwiGLU) saved by its save_pretrained loads as the ViT
+    tower and trains packed with the trainer's head on the CLS row; the run's checkpoint is the tower's own folder,
+    registers and LayerScales included."""
+    from transformers import Dinov2WithRegistersConfig, Dinov2WithRegistersModel
+
+    torch.manual_seed(0)
+    config = Dinov2WithRegistersConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=4, image_size=64, patch_size=16,
+        num_register_tokens=2, use_swiglu_ffn=True,
+    )  # fmt: skip
+    Dinov2WithRegistersModel(config).save_pretrained(tmp_path / "dinov2")
+    results = train(*DIGITS, "--objective", "supervised", "--checkpoint", tmp_path / "dinov2", "--steps", "2",
+                    "--out", tmp_path / "run")  # fmt: skip
+    assert "2 registers" in results["encoder"]["shape"] and "SwiGLU" in results["encoder"]["shape"]
+    loaded = assert_loads_back(tmp_path / "run")
+    assert loaded.config.num_register_tokens == 2 and loaded.config.layer_scale
+    source = ClassicViT.from_pretrained(tmp_path / "dinov2").state_dict()
+    trained = loaded.state_dict()
+    assert not torch.equal(source["reg_token"], trained["reg_token"])
+    assert not torch.equal(source["blocks.0.ls1.gamma"], trained["blocks.0.ls1.gamma"])
