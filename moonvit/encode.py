@@ -27,7 +27,7 @@ from .media.selection import processor_for
 from .media.video import MoonViTVideoProcessor, is_video
 from .model.encoder import MoonViTOutput
 from .model.grid import GridInput, PackedGrid, tokens_per_image
-from .model.interface import EncoderConfig, VisionEncoder
+from .model.interface import EncoderConfig, VisionEncoder, tower_name
 from .prefetch import prefetch
 from .weights.storage import CheckpointError
 
@@ -451,36 +451,44 @@ def checkpoint_processors(
     checkpoint: str | os.PathLike, config: EncoderConfig, *, rule: str | None = None, **image_overrides: Any
 ) -> CheckpointProcessors:
     """The image and video processors the commands run a checkpoint folder (or hub id) with, its
-    tower having ``config``.
+    tower having ``config``, by the rule its family names (:attr:`Family.default_rule
+    <moonvit.families.Family.default_rule>`, found by :func:`~moonvit.families.family_of`).
 
-    A MoonViT folder brings its own (:meth:`MoonViTImageProcessor.from_pretrained`,
-    :meth:`MoonViTVideoProcessor.from_pretrained`). A classic ViT / DeiT folder is read at native
-    resolution by default: ``rule`` None is the ``native`` rule
-    (:class:`~moonvit.families.vit.processor.NativeViTImageProcessor`: the tower's patch size, each
+    A MoonViT folder (no default rule) brings its own (:meth:`MoonViTImageProcessor.from_pretrained`,
+    :meth:`MoonViTVideoProcessor.from_pretrained`). A folder of a family with a default rule is read by
+    that rule unless ``rule`` names another of the family's (see :func:`moonvit.media.processor_for`):
+    the classic ViT / DeiT at native resolution (``native``,
+    :class:`~moonvit.families.vit.processor.NativeViTImageProcessor`: the tower's patch size, each
     image resized to whole patches within a patch budget, no merger, the folder's own
-    normalisation); ``rule`` names another of its rules (``vit``, ``deit``: the checkpoint's fixed
-    resize, see :func:`moonvit.media.processor_for`). Its towers take images only: the video
-    processor only says so.
+    normalisation), or by its checkpoint's fixed resize (``vit``, ``deit``). Such towers take images
+    only: the video processor only says so.
 
     ``image_overrides`` replace image settings (``side_limit_mode``, say, for MoonViT).
 
     Raises:
-        CheckpointError: the folder's processor files cannot be read, or a setting its rule does not
-            have (a classic ViT's rules have no ``side_limit_mode``: they cap each side).
+        CheckpointError: the folder's processor files cannot be read, a rule named for a MoonViT folder,
+            or a setting its rule does not have (the ViT rules have no ``side_limit_mode``: they cap
+            each side themselves).
     """
-    if config.model_type != "classic_vit":
+    from .families import family_of  # the families build on this package's modules
+
+    family = family_of(config)
+    default = None if family is None else family.default_rule
+    if default is None:  # the folder's own processor files
         if rule is not None:
-            raise CheckpointError(f"{checkpoint} holds a MoonViT tower, whose processor comes from its own files")
+            raise CheckpointError(
+                f"{checkpoint} holds a {tower_name(config)}, whose processor comes from its own files"
+            )
         own: ImageProcessor = MoonViTImageProcessor.from_pretrained(checkpoint, **image_overrides)
         return CheckpointProcessors(own, MoonViTVideoProcessor.from_pretrained(checkpoint))
+    chosen = rule or default
     if "side_limit_mode" in image_overrides:
         raise CheckpointError(
-            f"--side-limit-mode {image_overrides['side_limit_mode']}: a setting of MoonViT's processors; the classic "
-            f"ViT / DeiT tower of {checkpoint} is read by its native rule, which caps each side at its position "
-            "table's limit by itself"
+            f"--side-limit-mode {image_overrides['side_limit_mode']}: a setting of MoonViT's processors; the "
+            f"{tower_name(config)} of {checkpoint} is read by its {chosen} rule, which caps each side by itself"
         )
     try:
-        image = processor_for(checkpoint, rule or "native", **image_overrides)
+        image = processor_for(checkpoint, chosen, **image_overrides)
     except ValueError as error:  # a rule or setting the family does not have
         raise CheckpointError(str(error)) from error
     return CheckpointProcessors(image, MoonViTVideoProcessor.for_images(image))

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch.nn as nn
 
-__all__ = ["Family", "families", "family_named", "find_family", "register_family"]
+__all__ = ["Family", "families", "family_named", "family_of", "find_family", "register_family"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,14 @@ class Family:
             writes no release of the family (it reads them only, or writes its own layout).
         catch_all: whether :attr:`claims` takes configs by their shape alone (any ``vision_config``,
             none); a catch-all is asked only after every specific family (see :func:`find_family`).
+        default_rule: the processor rule (one of :attr:`processors`) the commands read the family's
+            folders by when none is named (``--image-rule``); None: the folder's own processor files
+            (a MoonViT folder's ``preprocessor_config.json``), and no rule may be named
+            (:func:`moonvit.encode.checkpoint_processors`).
+        tower_name: what messages call the family's tower (``classic ViT / DeiT tower``); empty: the
+            family's name and ``tower`` (:func:`moonvit.model.interface.tower_name`).
+
+    The programs ask a tower's family (:func:`family_of`) for these two, never its class or ``model_type``.
     """
 
     name: str
@@ -75,6 +83,15 @@ class Family:
     description: str = ""
     release: tuple[str, str] | None = None
     catch_all: bool = False
+    default_rule: str | None = None
+    tower_name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.default_rule is not None and self.default_rule not in self.processors:
+            raise ValueError(
+                f"family {self.name!r}: default_rule {self.default_rule!r} is not one of its processor rules "
+                f"({', '.join(self.processors) or 'none'})"
+            )
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -111,6 +128,24 @@ def family_named(name: str) -> Family:
         if family.name == name:
             return family
     raise ValueError(f"no checkpoint family {name!r} (registered: {', '.join(f.name for f in families())})")
+
+
+def family_of(config: Any) -> Family | None:
+    """The family a tower's config belongs to: the one its ``family`` attribute names, where it has one
+    (a config class that several families build, each setting it); else the first registered family whose
+    :attr:`Family.config_type` is the config's class, then one it is an instance of (the MoonViT families
+    share :class:`~moonvit.model.config.MoonViTConfig`, and their hooks agree). None where no family
+    builds that config (a caller's own encoder).
+
+    Raises:
+        ValueError: a ``family`` attribute naming no registered family.
+    """
+    name = getattr(config, "family", None)
+    if isinstance(name, str) and name:
+        return family_named(name)
+    registered = families()
+    exact = next((family for family in registered if type(config) is family.config_type), None)
+    return exact or next((family for family in registered if isinstance(config, family.config_type)), None)
 
 
 def _load_builtin() -> None:

@@ -72,10 +72,13 @@ class MoonViTFamily(Family):
         write_vision: ``write_vision(config)``: the release's ``vision_config``, the inverse of
             :attr:`read`'s keys (fields the release has no key for are left out: read back, they
             take the family's value); None where the family has no release layout.
+        tower_name: ``MoonViT tower``, every MoonViT family's (their folders bring their processor files:
+            ``default_rule`` None).
     """
 
     tower_prefix: str = ""
     write_vision: Callable[[MoonViTConfig], dict[str, Any]] | None = None
+    tower_name: str = "MoonViT tower"
 
 
 # ---- shared by the families -------------------------------------------------------------------

@@ -10,10 +10,13 @@ What differs between the families is read through the config and the output, nev
 
 - ``config.merge_kernel_size``: (2, 2) for MoonViT (``merged`` is (S / 4, 4, D)), (1, 1) for the
   classic ViT (``merged`` is (L, 1, D): each patch one token);
-- :func:`prefix_token_count`: the prefix tokens each item carries (0 for MoonViT, 1 for a ViT's
-  CLS token, 2 for DeiT's CLS and distillation tokens); a tower with them fills the output's
-  ``prefix_tokens`` (N, n_prefix, D) and ``pooled`` (N, D), and ``logits`` (N, classes) where it
-  has a head.
+- :func:`prefix_token_count`: the prefix tokens each item carries (0 for MoonViT and a SigLIP-like
+  tower, 1 for a ViT's CLS token, 2 for DeiT's CLS and distillation tokens, 1 + R for DINOv2's CLS
+  and R registers), named by :func:`prefix_token_names`; the ViT tower fills the output's
+  ``prefix_tokens`` (N, n_prefix, D) and ``pooled`` (N, D) (what it is: :func:`pooled_kind`), and
+  ``logits`` (N, classes) where it has a head.
+
+What a message calls a tower (:func:`tower_name`) is its family's (:func:`moonvit.families.family_of`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,15 @@ from .grid import GridGeometry, GridInput, PackedGrid
 if TYPE_CHECKING:
     from .encoder import MoonViTOutput
 
-__all__ = ["EncoderConfig", "VisionEncoder", "has_class_token", "prefix_token_count", "tower_name"]
+__all__ = [
+    "EncoderConfig",
+    "VisionEncoder",
+    "has_class_token",
+    "pooled_kind",
+    "prefix_token_count",
+    "prefix_token_names",
+    "tower_name",
+]
 
 
 class EncoderConfig(GridGeometry, Protocol):
@@ -41,7 +52,8 @@ class EncoderConfig(GridGeometry, Protocol):
         num_hidden_layers: the blocks (``hidden_state_indices`` counts 0 .. num_hidden_layers).
         tokens_per_merge: kh * kw, the patches of one merged token (4 for MoonViT, 1 for the classic ViT).
         attn_implementation: the attention backend asked for (``auto`` or a registered name).
-        model_type: the config's ``model_type`` (``classic_vit`` for the classic ViT / DeiT).
+        model_type: the config's ``model_type`` (``classic_vit`` for the ViT tower); the programs ask
+            the tower's family (:func:`moonvit.families.family_of`), not this, what differs.
         to_dict(): the config as ``config.json`` holds it (what run records and cache keys hash).
     """
 
@@ -99,8 +111,20 @@ class VisionEncoder(Protocol):
 
 def prefix_token_count(config: EncoderConfig) -> int:
     """The prefix tokens each item of a pack carries ahead of its patches: 0 for MoonViT, the classic
-    ViT's CLS token (1), DeiT's CLS and distillation tokens (2); a GAP ViT has none."""
+    ViT's CLS token (1), DeiT's CLS and distillation tokens (2), DINOv2's CLS and registers (1 + R);
+    a GAP or SigLIP-like ViT has none."""
     return int(getattr(config, "num_prefix_tokens", 0))
+
+
+def prefix_token_names(config: EncoderConfig) -> tuple[str, ...]:
+    """What each of an item's prefix rows is, in the tower's order: ``cls``, then DeiT's
+    ``distillation`` or DINOv2's ``register_0`` .. ``register_{R-1}``; () for a tower without them
+    (``prefix_0``, ... for a config that does not say which they are)."""
+    count = prefix_token_count(config)
+    names = ["cls"] * bool(getattr(config, "class_token", False))
+    names += ["distillation"] * bool(getattr(config, "distillation_token", False))
+    names += [f"register_{i}" for i in range(int(getattr(config, "num_register_tokens", 0)))]
+    return tuple(names) if len(names) == count else tuple(f"prefix_{i}" for i in range(count))
 
 
 def has_class_token(config: EncoderConfig) -> bool:
@@ -108,6 +132,24 @@ def has_class_token(config: EncoderConfig) -> bool:
     return bool(getattr(config, "class_token", False)) and prefix_token_count(config) > 0
 
 
+POOLED_KINDS = {"token": "cls", "avg": "mean", "map": "map"}
+"""The ViT tower's ``pool`` setting -> what its ``pooled`` output is (:func:`pooled_kind`)."""
+
+
+def pooled_kind(config: EncoderConfig) -> str | None:
+    """What the tower's ``pooled`` (N, D) output is: ``cls`` (the CLS row after the final norm: ViT,
+    DeiT, DINOv2), ``mean`` (the mean of the patch rows after it: a GAP ViT) or ``map`` (the MAP head
+    over them: SigLIP); None for a tower that gives none (MoonViT)."""
+    pool = getattr(config, "pool", None)
+    return POOLED_KINDS.get(pool) if isinstance(pool, str) else None
+
+
 def tower_name(config: EncoderConfig) -> str:
-    """What a message calls the tower: ``classic ViT / DeiT tower`` or ``MoonViT tower``."""
-    return "classic ViT / DeiT tower" if config.model_type == "classic_vit" else "MoonViT tower"
+    """What a message calls the tower: its family's :attr:`~moonvit.families.Family.tower_name`
+    (``classic ViT / DeiT tower``, ``MoonViT tower``); ``vision tower`` for a config no family builds."""
+    from ..families import family_of  # the families build on the model package
+
+    family = family_of(config)
+    if family is None:
+        return "vision tower"
+    return family.tower_name or f"{family.name} tower"

@@ -36,5 +36,8 @@ register_family(
         read=formats.read,
         build=ClassicViT,
         processors=("vit", "deit", "native"),
+        # native resolution by default: the 1D table resampled to each image's grid by the checkpoint's rule
+        default_rule="native",
+        tower_name="classic ViT / DeiT tower",
     )
 )

@@ -64,6 +64,10 @@ class ClassicViTConfig(DictConfig):
       else the CLS and distillation tokens have a row each, ahead of the patches';
     - ``pool "map"``: ``pooled`` is the MAP head's output (SigLIP's ``attn_pool``: a learned query
       attending over the item's patch rows after the final norm, then a residual MLP).
+
+    ``family`` names the checkpoint family the tower was read as (``classic-vit``, or another family
+    that builds this tower: its reader sets it), so that the commands ask that family's spec
+    (:func:`moonvit.families.family_of`) for its default processor rule and its name in messages.
     """
 
     patch_size: int = 16
@@ -91,6 +95,7 @@ class ClassicViTConfig(DictConfig):
     max_grid_side: int = 512
     drop_path_rate: float = 0.0
     attn_implementation: str = "auto"
+    family: str = "classic-vit"
     model_type: str = field(default="classic_vit", init=False)
 
     def __post_init__(self) -> None:
