@@ -153,8 +153,7 @@ def fetch_encoder_files(snapshot: HubSnapshot) -> None:
     # Before the index is here, the layout of a Kimi family is not known: fetch any tower tensor.
     # A registered family's layout names its own prefix ("" for all: a ViT's head sits outside its tower).
     if not isinstance(layout, TowerLayout):
-        prefix = layout.prefix  # one prefix, or several (OpenVLA's backbone and projector)
-        snapshot.tensors(*(prefix if isinstance(prefix, tuple) else (prefix,)))
+        snapshot.tensors(layout.prefix)
     else:
         snapshot.tensors(*(("",) if layout.name == "own" else TOWER_PREFIXES))
 
@@ -233,8 +232,8 @@ def assign_from_files(
         wrong_shape = []
         for file, names in files.items():
             for ckpt in names:
-                name = needed[ckpt][0]
-                shape, wanted = opened[file].shape(ckpt), sources[name].part_shape(params[name].shape)
+                name, part = needed[ckpt]
+                shape, wanted = opened[file].shape(ckpt), sources[name].part_shape(params[name].shape, part)
                 if shape != wanted:
                     wrong_shape.append(f"{ckpt}: {shape}, expected {wanted}")
         if wrong_shape:

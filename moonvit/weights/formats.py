@@ -76,16 +76,32 @@ class TensorLayoutError(ValueError):
 class TensorSource:
     """Where one of the model's tensors comes from: one checkpoint tensor, or several
     concatenated along dim 0, each part first passed through its ``transforms`` entry
-    (a shape-preserving function, or None); ``inverses`` undo them, for writing
-    (:meth:`split`)."""
+    (a function, or None); ``inverses`` undo them, for writing (:meth:`split`).
+
+    The parts split dim 0 equally unless ``shares`` gives their relative sizes (timm's MAP head:
+    ``q`` and ``kv``, 1 : 2). A checkpoint that stores a part in another shape than the model's
+    (SigLIP's (N, D) table for the tower's (1, N, D), SigLIP2's flattened patch weight) says so with
+    ``stored_shape``: the stored shape of a part of the given model shape, which the loader checks;
+    the part's transform then turns the stored tensor into the model's shape and its inverse back.
+    """
 
     names: tuple[str, ...]
     transforms: tuple[Transform | None, ...] = ()
     inverses: tuple[Transform | None, ...] = ()
+    shares: tuple[int, ...] = ()
+    stored_shape: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None
 
-    def part_shape(self, wanted: Sequence[int]) -> tuple[int, ...]:
-        """Each part's expected shape, for a model tensor of shape ``wanted``."""
-        return (wanted[0] // len(self.names), *wanted[1:]) if len(self.names) > 1 else tuple(wanted)
+    def part_rows(self, rows: int) -> list[int]:
+        """Each part's rows of a model tensor with ``rows`` rows along dim 0, in :attr:`names` order."""
+        shares = self.shares or (1,) * len(self.names)
+        if len(shares) != len(self.names):
+            raise ValueError(f"{self.names}: {len(shares)} shares for {len(self.names)} parts")
+        return [rows * share // sum(shares) for share in shares]
+
+    def part_shape(self, wanted: Sequence[int], index: int = 0) -> tuple[int, ...]:
+        """Part ``index``'s expected shape in the checkpoint, for a model tensor of shape ``wanted``."""
+        shape = (self.part_rows(wanted[0])[index], *wanted[1:]) if len(self.names) > 1 else tuple(wanted)
+        return shape if self.stored_shape is None else self.stored_shape(shape)
 
     def combine(self, parts: list[torch.Tensor]) -> torch.Tensor:
         transforms = self.transforms or (None,) * len(parts)
@@ -94,10 +110,10 @@ class TensorSource:
 
     def split(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """The inverse of :meth:`combine`: the checkpoint's parts of the model tensor ``tensor``
-        (each (rows / len(names), ...) where there are several), in :attr:`names` order."""
+        (each its :meth:`part_rows` where there are several), in :attr:`names` order."""
         if len(self.transforms) != len(self.inverses):
             raise ValueError(f"{self.names}: a transform without its inverse cannot be written")
-        parts = list(tensor.chunk(len(self.names))) if len(self.names) > 1 else [tensor]
+        parts = list(tensor.split(self.part_rows(tensor.shape[0]))) if len(self.names) > 1 else [tensor]
         inverses = self.inverses or (None,) * len(parts)
         return [part if fn is None else fn(part) for part, fn in zip(parts, inverses)]
 
