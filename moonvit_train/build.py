@@ -12,6 +12,7 @@ import torch
 from moonvit import CheckpointError, MoonViT, MoonViTImageProcessor, preset_config, preset_processors
 from moonvit.distributed import Ranks
 from moonvit.model.blocks import Block
+from moonvit.model.interface import tower_name
 from moonvit.model.lora import LoRAConfig, apply_lora
 
 from .batch import ImageSource
@@ -61,6 +62,12 @@ def build_encoder(config: TrainConfig) -> tuple[Encoder, MoonViTImageProcessor]:
                 processor = processor_of(loaded, model.checkpoint)
             except (CheckpointError, OSError, ValueError) as error:
                 raise TrainError(f"cannot load --checkpoint {model.checkpoint}: {error}") from error
+            if not isinstance(loaded, (MoonViT, ClassicViT)):
+                raise TrainError(
+                    f"--checkpoint {model.checkpoint} holds the {tower_name(loaded.config)} "
+                    f"({type(loaded).__name__}): the trainer trains one MoonViT or ViT tower (ViT, DeiT, SigLIP, "
+                    "DINOv2; their folders load as one)"
+                )
             if isinstance(loaded, ClassicViT):
                 encoder = classic_tower(model, loaded)
             else:

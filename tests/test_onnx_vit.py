@@ -383,3 +383,25 @@ def test_cli_exports_a_transformers_dinov2_with_registers_folder(tmp_path):
     for seed, grids in enumerate([PACK_A, PACK_B]):
         errors = compare_with_model(sess, model, pixels_for(grids, seed=seed), grids)
         assert max(errors.values()) < 1e-4, (grids, errors)
+
+
+def test_openvlas_fused_backbone_is_refused_by_name(tmp_path, capsys):
+    """Two towers on one pack (OpenVLA's) are not one tower: the API and the command line say so, writing nothing."""
+    from moonvit.families.openvla.config import FusedBackboneConfig
+    from moonvit.families.openvla.model import FusedBackbone
+
+    config = FusedBackboneConfig(
+        featurizer=ClassicViTConfig(**TINY, **{**TOWERS["dinov2 reg swiglu"], "num_classes": 0}),
+        fused_featurizer=ClassicViTConfig(**TINY, **TOWERS["siglip"]),
+        text_hidden_size=None,
+        image_size=128,
+    )
+    fused = FusedBackbone(config)
+    with pytest.raises(ValueError, match=r"one MoonViT or ViT tower .*, not the openvla tower \(FusedBackbone\)"):
+        export_onnx(fused, tmp_path / "fused.onnx")
+    fused.save_pretrained(tmp_path / "fused")
+    with pytest.raises(SystemExit) as exit_info:
+        onnx_main(["--checkpoint", str(tmp_path / "fused"), "--out", str(tmp_path / "fused.onnx")])
+    assert exit_info.value.code == 1
+    assert "holds the openvla tower (FusedBackbone): python -m moonvit.onnx exports one" in capsys.readouterr().err
+    assert not (tmp_path / "fused.onnx").exists()

@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 from test_train import interrupt_at_step, train
 from test_train_vit import DIGITS, assert_loads_back, fit, pack
 
+from moonvit.families.openvla.config import FusedBackboneConfig
+from moonvit.families.openvla.model import FusedBackbone
 from moonvit.families.vit import ClassicViT, classic_vit_config
 from moonvit_train.classic import freeze_unread, select_trainable_classic
 from moonvit_train.config import ModelSection
@@ -53,7 +55,15 @@ def folders(tmp_path_factory) -> dict[str, Path]:
         tower(name, seed=seed).save_pretrained(root / name)
     torch.manual_seed(9)
     ClassicViT(classic_vit_config("vit-tiny")).save_pretrained(root / "teacher")
-    return {name: root / name for name in [*TOWERS, "teacher"]}
+    # OpenVLA's fused backbone: two towers on one pack, not one tower the trainer trains
+    fused = FusedBackboneConfig(
+        featurizer=classic_vit_config("vit-tiny", **{**TOWERS["dinov2-reg"], "num_classes": 0}),
+        fused_featurizer=classic_vit_config("vit-tiny", **TOWERS["siglip"]),
+        text_hidden_size=None,
+        image_size=64,
+    )
+    FusedBackbone(fused).save_pretrained(root / "fused")
+    return {name: root / name for name in [*TOWERS, "teacher", "fused"]}
 
 
 # ---- the packed loss, on a fixed pack ------------------------------------------------------------
@@ -216,10 +226,11 @@ def test_feature_distillation_into_a_siglip_tower_leaves_its_map_head_as_loaded(
         (["--objective", "supervised", "--checkpoint", "DINO", "--lora-rank", "4"], "--lora-rank adapts a MoonViT"),
         (["--objective", "supervised", "--checkpoint", "DINO", "--save-layout", "release"], "a classic ViT is saved"),
         (["--objective", "deit", "--checkpoint", "DINO", "--teacher", "DINO"], "trains a DeiT tower"),
+        (["--objective", "supervised", "--checkpoint", "FUSED"], "(FusedBackbone): the trainer trains one MoonViT"),
     ],
 )
 def test_what_these_towers_cannot_take_is_one_line(tmp_path, folders, flags, message):
-    named = {"SIGLIP": folders["siglip"], "DINO": folders["dinov2-reg"]}
+    named = {"SIGLIP": folders["siglip"], "DINO": folders["dinov2-reg"], "FUSED": folders["fused"]}
     flags = [str(named.get(flag, flag)) for flag in flags]
     with pytest.raises(SystemExit, match="error: .*" + re.escape(message)):
         train(*DIGITS, *flags, "--steps", "1", "--out", tmp_path / "run")

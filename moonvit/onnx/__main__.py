@@ -32,6 +32,7 @@ from ..cli import (
 from ..families.vit.model import ClassicViT
 from ..files import disk_full_error
 from ..model.encoder import MoonViT
+from ..model.interface import tower_name
 from ..weights.storage import CheckpointError
 from .export import OnnxUnavailableError, compare_with_model, export_onnx, exported_outputs
 from .inputs import input_names
@@ -79,6 +80,11 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
     """Load, export, check; returns the summary it prints."""
     dtype = torch_dtype(args.dtype)
     encoder: MoonViT | ClassicViT = MoonViT.from_pretrained(args.checkpoint, dtype=dtype, device="cpu")
+    if not isinstance(encoder, (MoonViT, ClassicViT)):
+        raise CheckpointError(
+            f"{args.checkpoint} holds the {tower_name(encoder.config)} ({type(encoder).__name__}): "
+            "python -m moonvit.onnx exports one MoonViT or ViT tower (ViT, DeiT, SigLIP, DINOv2)"
+        )
     projector = None
     if args.projector and isinstance(encoder, ClassicViT):
         raise CheckpointError(

@@ -29,6 +29,7 @@ from ..families.vit.config import ClassicViTConfig
 from ..families.vit.model import ClassicViT
 from ..model.config import MoonViTConfig
 from ..model.encoder import MoonViT
+from ..model.interface import tower_name
 from .graph import OnnxEncoder
 from .inputs import input_names, onnx_inputs
 from .vit_graph import OnnxClassicViT, vit_output_names
@@ -76,8 +77,9 @@ def export_onnx(
         ``prefix_tokens`` (N, n_prefix, D), ``pooled`` (N, D), ``logits`` with a head, ...).
 
     Raises:
-        ValueError: an opset out of range, a dtype other than float32 / float16, or a
-            projector that does not fit the encoder (a classic ViT takes none).
+        ValueError: an encoder of another kind (OpenVLA's fused backbone), an opset out of range,
+            a dtype other than float32 / float16, or a projector that does not fit the encoder (a
+            classic ViT takes none).
         OnnxUnavailableError: onnx or onnxscript is not installed.
     """
     _check_export(encoder, projector, opset)
@@ -229,6 +231,11 @@ def _dynamic_shapes(config: MoonViTConfig | ClassicViTConfig) -> dict[str, dict[
 
 
 def _check_export(encoder: MoonViT | ClassicViT, projector: nn.Module | None, opset: int) -> None:
+    if not isinstance(encoder, (MoonViT, ClassicViT)):
+        raise ValueError(
+            f"export_onnx exports one MoonViT or ViT tower (ViT, DeiT, SigLIP, DINOv2), not the "
+            f"{tower_name(getattr(encoder, 'config', None))} ({type(encoder).__name__})"
+        )
     if not MIN_OPSET <= opset <= MAX_OPSET:
         raise ValueError(f"opset must lie in {MIN_OPSET}..{MAX_OPSET}, got {opset}")
     if encoder.dtype not in EXPORT_DTYPES:
