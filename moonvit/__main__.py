@@ -3,11 +3,13 @@
 python -m moonvit                       # built-in sample images, random `small` preset
 python -m moonvit --checkpoint DIR --images a.jpg b.png --dtype bf16
 
-A classic ViT / DeiT folder (transformers', timm's or this package's) runs the same way, at native
-resolution: each patch is one token (``merged.safetensors`` holds (n, 1, D) per image), and its
-CLS row and prefix tokens are written beside them (``pooled.safetensors``,
-``prefix_tokens.safetensors``; ``logits.safetensors`` where the folder has a head). Such a tower
-takes images only.
+A ViT tower's folder (ViT, DeiT, SigLIP, DINOv2: transformers', timm's or this package's) runs the
+same way, by its family's default rule (native resolution for a ViT): each patch is one token
+(``merged.safetensors`` holds (n, 1, D) per image), and its pooled vector and prefix rows are written
+beside them: ``pooled.safetensors`` (the CLS row after the final norm; SigLIP's MAP head),
+``prefix_tokens.safetensors`` (CLS, then DeiT's distillation token or DINOv2's registers; no file for a
+tower without prefix tokens, as SigLIP), ``logits.safetensors`` where the folder has a head;
+``summary.json`` says what ``pooled`` is and names the prefix rows. Such a tower takes images only.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from .media.video import VIDEO_EXTENSIONS, VideoFrames, VideoSource, probe_video
 from .model.attention import resolve_attn_implementation
 from .model.config import PRESETS
 from .model.encoder import MoonViT
+from .model.interface import pooled_kind, prefix_token_names
 from .names import path_keys, path_record, unique_names
 
 
@@ -254,7 +257,7 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> None:
             "num_tokens": feats.shape[0],
             "rescaled": result.rescaled,
         }
-        if result.prefix_tokens is not None:  # a classic ViT / DeiT: its CLS (and distillation) rows
+        if result.prefix_tokens is not None:  # a ViT tower: its CLS (and distillation or register) rows
             entry["prefix_tokens"] = result.prefix_tokens.shape[0]
         if result.logits is not None:
             entry["predicted_class"] = int(result.logits.argmax())
@@ -285,7 +288,7 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> None:
         {s["image"]: r.tokens.float() for s, r in zip(summary, results)}, args.out / "merged.safetensors"
     )
     written.append(args.out / "merged.safetensors")
-    per_image = {  # the outputs only a tower with prefix tokens gives (the classic ViT / DeiT), one row per image
+    per_image = {  # the outputs only a ViT tower gives, one row per image
         "prefix_tokens": [r.prefix_tokens for r in results],
         "pooled": [r.pooled for r in results],
         "logits": [r.logits for r in results],
@@ -293,15 +296,16 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> None:
     extra = []
     for name, rows in per_image.items():
         given = [row for row in rows if row is not None]
-        if given and len(given) == len(rows) and given[0].numel():  # a GAP tower's prefix rows are empty
+        if given and len(given) == len(rows) and given[0].numel():  # no file of empty rows (GAP, SigLIP prefix)
             file = args.out / f"{name}.safetensors"
             save_safetensors_atomic({s["image"]: row.float() for s, row in zip(summary, given)}, file)
             written.append(file)
             extra.append(file.name)
-    write_text_atomic(
-        args.out / "summary.json",
-        json.dumps({"source": source, "dtype": args.dtype, "images": summary}, indent=2) + "\n",
-    )
+    record: dict[str, Any] = {"source": source, "dtype": args.dtype}
+    if pooled_kind(encoder.config) is not None:  # a ViT tower: what its pooled vector is, what its prefix rows are
+        record["pooled"] = pooled_kind(encoder.config)
+        record["prefix_tokens"] = list(prefix_token_names(encoder.config))
+    write_text_atomic(args.out / "summary.json", json.dumps({**record, "images": summary}, indent=2) + "\n")
     written.append(args.out / "summary.json")
     per_token = encoder.config.tokens_per_merge
     print(f"merged tokens (n, {per_token}, D) per image written to {args.out / 'merged.safetensors'}")

@@ -8,10 +8,15 @@ Encoder views, all from one forward over packs of whole images:
         which has no merger, the same as ``mean``.
     ``last4``: the per-image means of the last 4 blocks' outputs (before the final norm),
         concatenated: (N, 4D); needs at least 4 blocks.
-    ``cls``: the CLS row after the final norm, the image representation of the ViT paper (its
-        ``pooled`` output): (N, D); only for a tower with a class token (the classic ViT / DeiT;
-        MoonViT has none).
+    ``cls``: the CLS row after the final norm, the image representation of the ViT paper:
+        (N, D); only for a tower with a class token (ViT, DeiT, DINOv2; MoonViT and SigLIP have none).
     ``both``: ``cls`` and ``mean`` concatenated, in that order: (N, 2D); as ``cls``.
+    ``pooled``: the tower's own ``pooled`` output: (N, D); the CLS row after the final norm (ViT,
+        DeiT, DINOv2), the MAP head's output (SigLIP), the patch mean (a GAP ViT); MoonViT gives none.
+``cls`` and ``both`` over the last N blocks (:func:`view_name`: ``cls-lastN``, ``both-lastN``): the
+CLS rows of the last N blocks, each after the final norm, concatenated, (N * D); ``both`` then adds the
+mean of the last block's patch rows after it, ((N + 1) * D): DINOv2's linear-evaluation features at
+N = 4 (``n_last_blocks=4, avgpool=True``), read with :func:`moonvit.model.features.read_intermediates`.
 ``pixels`` is the no-encoder baseline: an image's raw pixels scaled to [0, 1], flattened.
 """
 
@@ -46,7 +51,8 @@ from moonvit.encode import class_token_features, encode_processed, processed_pac
 from moonvit.files import save_safetensors_atomic, write_text_atomic
 from moonvit.media.image import ImageInput
 from moonvit.model.attention import resolve_attn_implementation
-from moonvit.model.interface import has_class_token, tower_name
+from moonvit.model.features import Intermediates, read_intermediates
+from moonvit.model.interface import has_class_token, pooled_kind, tower_name
 from moonvit.runs import compute_facts
 
 from .datasets import Split
@@ -62,19 +68,46 @@ __all__ = [
     "encoder_views",
     "extract_features",
     "missing_view_reason",
+    "parse_view",
     "pixel_features",
     "split_features",
+    "view_name",
 ]
 
-ENCODER_VIEWS = ("mean", "merged-mean", "last4", "cls", "both")
+ENCODER_VIEWS = ("mean", "merged-mean", "last4", "cls", "both", "pooled")
 LAST4 = (-4, -3, -2, -1)
 """The hidden states the ``last4`` view reads: the last four blocks' outputs."""
 CLASS_TOKEN_VIEWS = ("cls", "both")
-"""The views that read the CLS row: only a tower with a class token gives them."""
+"""The views that read the CLS row: only a tower with a class token gives them; they take the CLS
+rows of the last N blocks with :func:`view_name`'s N."""
 FEATURE_VIEWS = (*ENCODER_VIEWS, "pixels")
 CACHE_FORMAT = 1
 PIXEL_SIDE = 32
 """Side the ``pixels`` view resizes images to when a split's images differ in size (ImageFolder)."""
+_LAST = "-last"
+
+
+def view_name(view: str, last_blocks: int = 1) -> str:
+    """The name of ``view`` over the last ``last_blocks`` blocks' CLS rows: the view itself for 1,
+    ``cls-lastN`` / ``both-lastN`` for N > 1 (only the :data:`CLASS_TOKEN_VIEWS` take N)."""
+    if last_blocks == 1:
+        return view
+    if view not in CLASS_TOKEN_VIEWS:
+        raise ValueError(
+            f"--last-blocks {last_blocks} reads the CLS rows of the last blocks: it goes with --features "
+            f"{' or '.join(CLASS_TOKEN_VIEWS)}, not {view}"
+        )
+    if last_blocks < 1:
+        raise ValueError(f"last_blocks must be >= 1, got {last_blocks}")
+    return f"{view}{_LAST}{last_blocks}"
+
+
+def parse_view(name: str) -> tuple[str, int]:
+    """(view, N) of a :func:`view_name`: ``cls-last4`` -> (``cls``, 4), ``mean`` -> (``mean``, 1)."""
+    view, _, count = name.partition(_LAST)
+    if count and view in CLASS_TOKEN_VIEWS and count.isdigit() and int(count) > 1:
+        return view, int(count)
+    return name, 1
 
 
 @dataclass(frozen=True)
@@ -163,7 +196,10 @@ def _forward_seconds(model: VisionEncoder) -> Iterator[list[float] | None]:
 
 
 def encoder_views(
-    output: MoonViTOutput, grid: PackedGrid | torch.Tensor, views: Iterable[str]
+    output: MoonViTOutput,
+    grid: PackedGrid | torch.Tensor,
+    views: Iterable[str],
+    normed: Intermediates | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-image feature views of one pack's forward.
 
@@ -171,59 +207,110 @@ def encoder_views(
         output: the encoder's output for a pack of N images, with the last 4 blocks' hidden
             states when ``last4`` is asked (``hidden_state_indices=LAST4``).
         grid: the pack's grid, or its (N, 2) ``grid_hws``.
-        views: names from :data:`ENCODER_VIEWS`.
+        views: names from :data:`ENCODER_VIEWS`, or :func:`view_name`'s ``cls-lastN`` / ``both-lastN``.
+        normed: for those, the forward's intermediates through the final norm
+            (:func:`~moonvit.model.features.read_intermediates` with ``norm=True``), the last N
+            blocks last.
 
     Returns:
-        {view: (N, F) float32}: F = D for ``mean`` and ``cls``, 4D for ``merged-mean`` (D for the
-        classic ViT) and ``last4``, 2D for ``both``.
+        {view: (N, F) float32}: F = D for ``mean``, ``cls`` and ``pooled``, 4D for ``merged-mean``
+        (D for a tower without a merger) and ``last4``, 2D for ``both``; N * D for ``cls-lastN``,
+        (N + 1) * D for ``both-lastN``.
 
     Raises:
         ValueError: an unknown view, ``last4`` without the hidden states, ``cls`` / ``both`` on an
-            output without a CLS row.
+            output without a CLS row, ``pooled`` on one without a pooled row, the last N blocks' views
+            without ``normed`` of them.
     """
     result = {}
-    for view in views:
+    for name in views:
+        view, blocks = parse_view(name)
         if view == "mean":
-            result[view] = pool_features(output, grid)
+            result[name] = pool_features(output, grid)
         elif view == "merged-mean":
-            result[view] = pool_features(output, grid, "merged")
+            result[name] = pool_features(output, grid, "merged")
         elif view == "last4":
             if output.hidden_states is None or len(output.hidden_states) < 4:
                 raise ValueError("the last4 view needs the last 4 blocks' hidden states of an encoder with 4 blocks")
-            result[view] = torch.cat([pool_features(h, grid) for h in output.hidden_states[-4:]], dim=1)
-        elif view == "cls":
-            result[view] = class_token_features(output)
-        elif view == "both":
-            result[view] = torch.cat([class_token_features(output), pool_features(output, grid)], dim=1)
+            result[name] = torch.cat([pool_features(h, grid) for h in output.hidden_states[-4:]], dim=1)
+        elif view in CLASS_TOKEN_VIEWS:
+            cls = class_token_features(output) if blocks == 1 else _last_cls_rows(output, normed, blocks)
+            result[name] = cls if view == "cls" else torch.cat([cls, pool_features(output, grid)], dim=1)
+        elif view == "pooled":
+            if output.pooled is None:
+                raise ValueError("this encoder's outputs have no pooled row (a MoonViT tower): use the mean view")
+            result[name] = output.pooled.float()
         else:
-            raise ValueError(f"unknown encoder view {view!r}; choose from {ENCODER_VIEWS}")
+            raise ValueError(f"unknown encoder view {name!r}; choose from {ENCODER_VIEWS}")
     return result
 
 
-def available_views(model: VisionEncoder) -> tuple[str, ...]:
-    """The encoder views ``model`` can give: ``last4`` needs 4 blocks, ``cls`` and ``both`` a class token."""
+def _last_cls_rows(output: MoonViTOutput, normed: Intermediates | None, blocks: int) -> torch.Tensor:
+    """(N, blocks * D) float32: the CLS rows of the last ``blocks`` blocks, each after the final norm,
+    in block order (DINOv2's linear evaluation)."""
+    class_token_features(output)  # refuses a tower without a CLS row, by name
+    if normed is None or normed.prefix_tokens is None or not normed.normed:
+        raise ValueError(f"the CLS rows of the last {blocks} blocks need the forward's normed intermediates")
+    last = normed.indices[-1]
+    # the last block's normed rows are the forward's own prefix rows (read_intermediates takes them as they are)
+    ends_last = normed.prefix_tokens[-1] is output.prefix_tokens
+    if not ends_last or normed.indices[-blocks:] != tuple(range(last - blocks + 1, last + 1)):
+        raise ValueError(f"the normed intermediates hold blocks {normed.indices}, not the last {blocks}")
+    return torch.cat([rows[:, 0] for rows in normed.prefix_tokens[-blocks:]], dim=1).float()
+
+
+def view_hidden_states(views: Iterable[str], num_blocks: int) -> tuple[int, ...]:
+    """The hidden states (non-negative, ascending) a forward keeps for ``views``: ``last4``'s, and the
+    last N blocks of a ``cls-lastN`` / ``both-lastN``; () when none needs any."""
+    kept: set[int] = set()
+    for name in views:
+        view, blocks = parse_view(name)
+        if view == "last4":
+            kept.update(range(num_blocks - 3, num_blocks + 1))
+        elif blocks > 1:
+            kept.update(range(num_blocks - blocks + 1, num_blocks + 1))
+    return tuple(sorted(kept))
+
+
+def available_views(model: VisionEncoder, last_blocks: int = 1) -> tuple[str, ...]:
+    """The encoder views ``model`` can give (their :func:`view_name` for ``last_blocks``): ``last4``
+    needs 4 blocks, ``cls`` and ``both`` a class token (and ``last_blocks`` blocks), ``pooled`` a tower
+    that pools."""
     config = model.config
     return tuple(
-        view
+        view_name(view, last_blocks if view in CLASS_TOKEN_VIEWS else 1)
         for view in ENCODER_VIEWS
         if (view != "last4" or config.num_hidden_layers >= 4)
-        and (view not in CLASS_TOKEN_VIEWS or has_class_token(config))
+        and (view not in CLASS_TOKEN_VIEWS or (has_class_token(config) and config.num_hidden_layers >= last_blocks))
+        and (view != "pooled" or pooled_kind(config) is not None)
     )
 
 
+def _what(config: Any) -> str:
+    """The tower in a message: its family's name, and how it pools where that is why it lacks a view."""
+    pooling = {"mean": " pooled by the mean of its patches", "map": " pooled by its MAP head"}
+    return f"a {tower_name(config)}{pooling.get(pooled_kind(config) or '', '')}"
+
+
 def missing_view_reason(model: VisionEncoder, view: str) -> str:
-    """Why ``model`` cannot give ``view`` (one of :data:`ENCODER_VIEWS` not in :func:`available_views`)."""
+    """Why ``model`` cannot give ``view`` (an encoder view name not in :func:`available_views`)."""
     config = model.config
+    base, blocks = parse_view(view)
     given = ", ".join(available_views(model))
-    if view in CLASS_TOKEN_VIEWS:
-        what = (
-            "a classic ViT pooled by the mean of its patches"
-            if config.model_type == "classic_vit"
-            else f"a {tower_name(config)}"
-        )
+    if base in CLASS_TOKEN_VIEWS and not has_class_token(config):
         return (
-            f"--features {view} reads the CLS token, and this encoder ({what}) has none: choose mean, the mean "
-            f"of its patch tokens, or another of the views it gives ({given})"
+            f"--features {base} reads the CLS token, and this encoder ({_what(config)}) has none: choose mean, "
+            f"the mean of its patch tokens, or another of the views it gives ({given})"
+        )
+    if base in CLASS_TOKEN_VIEWS:
+        return (
+            f"--last-blocks {blocks} reads the CLS rows of the last {blocks} blocks; this encoder has "
+            f"{config.num_hidden_layers}"
+        )
+    if base == "pooled":
+        return (
+            f"--features pooled reads the tower's pooled output, and this encoder ({_what(config)}) gives none: "
+            f"choose mean, the mean of its patch tokens, or another of the views it gives ({given})"
         )
     return (
         f"--features {view} needs an encoder of at least 4 blocks; this one has {config.num_hidden_layers} "
@@ -259,7 +346,9 @@ def extract_features(
     """
     views = tuple(views)
     chunks: dict[str, list[torch.Tensor]] = {view: [] for view in views}
-    indices = LAST4 if "last4" in views else None
+    kept = view_hidden_states(views, model.config.num_hidden_layers)
+    indices = kept or None
+    over_blocks = any(parse_view(view)[1] > 1 for view in views)
     resized = (resize(processor.load_image(image)) for image in images)
     packs = processed_packs(processor, pack_images(resized, processor, max_patches_per_pack), workers=workers)
     with (
@@ -275,7 +364,8 @@ def extract_features(
                 timing.images.append(len(pack.items))
                 # without hooks (not a torch module), the whole encode_processed call is timed
                 timing.seconds.append(durations[-1] if durations is not None else time.perf_counter() - started)
-            for view, value in encoder_views(encoded.output, encoded.grid, views).items():
+            normed = read_intermediates(model, encoded.output, kept, norm=True) if over_blocks else None
+            for view, value in encoder_views(encoded.output, encoded.grid, views, normed).items():
                 chunks[view].append(value.cpu())
             bar.update(len(pack.items))
     if not any(chunks.values()):
@@ -363,7 +453,7 @@ def split_features(
         return _pixel_split(split, dataset, split_name, cache)
     if encoder is None:
         raise ValueError(f"view {view!r} needs an encoder")
-    views = available_views(encoder.model)
+    views = available_views(encoder.model, parse_view(view)[1])
     if view not in views:
         raise ValueError(missing_view_reason(encoder.model, view))
     model = encoder.model

@@ -1,11 +1,16 @@
-"""Linear-probe a frozen MoonViT encoder on an image-classification dataset.
+"""Linear-probe a frozen vision encoder (MoonViT or a ViT tower) on an image-classification dataset.
 
     python -m moonvit_eval.linear_probe --preset tiny --random-init --dataset fashion-mnist --out outputs/probe/tiny
     python -m moonvit_eval.linear_probe --checkpoint VIT_FOLDER --features cls --dataset digits
+    python -m moonvit_eval.linear_probe --checkpoint DINOV2_FOLDER --features both --last-blocks 4 --dataset digits
 
-A classic ViT / DeiT folder is probed at native resolution too, on the features the ViT paper
-discusses: ``--features cls`` (the CLS row after the final norm), ``mean`` (the mean of its patch
-rows) or ``both`` (the two concatenated); see :mod:`moonvit_eval.features` for every view.
+A ViT tower's folder (ViT, DeiT, SigLIP, DINOv2) is probed at native resolution too, on the features
+the ViT paper discusses: ``--features cls`` (the CLS row after the final norm), ``mean`` (the mean of
+its patch rows) or ``both`` (the two concatenated), and ``pooled``, the tower's own pooled output
+(SigLIP's MAP head, the CLS row after the norm for ViT and DINOv2). ``--last-blocks N`` takes the CLS
+rows of the last N blocks, each after the final norm: ``--features both --last-blocks 4`` is DINOv2's
+linear-evaluation features (four CLS rows and the mean of the last block's patch rows). See
+:mod:`moonvit_eval.features` for every view.
 
 Protocol: the frozen encoder's features are extracted once per split (eval mode, no augmentation,
 packs of whole images under a patch budget) and cached on disk; they are standardised with
@@ -105,30 +110,13 @@ __all__ = [
 def build_parser() -> argparse.ArgumentParser:
     defaults = ProbeConfig()
     parser = ArgumentParser(prog=PROGRAM, description=__doc__.split("\n\n")[0])
-    source = parser.add_mutually_exclusive_group()
+    encoder = parser.add_argument_group("encoder (frozen; any registered tower)")
+    source = encoder.add_mutually_exclusive_group()
     add_checkpoint_argument(source)
     source.add_argument("--preset", choices=sorted(moonvit.PRESETS), help="a preset size (needs --random-init)")
-    parser.add_argument("--random-init", action="store_true", help="probe the preset with random weights (seeded)")
-    parser.add_argument("--dataset", required=True, help="fashion-mnist, digits or imagefolder:DIR")
-    parser.add_argument(
-        "--data-dir", type=existing_folder, help=f"Fashion-MNIST IDX folder (default {DEFAULT_FASHION_MNIST_DIR})"
-    )
-    parser.add_argument(
-        "--features",
-        choices=FEATURE_VIEWS,
-        default="mean",
-        help="feature view (default: mean; last4 needs an encoder of at least 4 blocks; cls, the CLS row, and "
-        "both, cls and mean concatenated, a classic ViT / DeiT tower)",
-    )
-    parser.add_argument(
-        "--out",
-        type=output_dir,
-        default=Path("outputs/linear_probe"),
-        help="output folder (default: outputs/linear_probe)",
-    )
-    parser.add_argument("--cache-dir", type=output_dir, help="feature cache (default: <out>/../feature-cache)")
+    encoder.add_argument("--random-init", action="store_true", help="probe the preset with random weights (seeded)")
     add_shared_arguments(
-        parser,
+        encoder,
         "dtype",
         *ENCODER_OPTIONS,
         "workers",
@@ -137,56 +125,81 @@ def build_parser() -> argparse.ArgumentParser:
         workers={"what": "packs of images"},
         seed={"help": "seed of random init, splits and shuffles"},
     )
-    parser.add_argument(
+    data = parser.add_argument_group("data and preprocessing")
+    data.add_argument("--dataset", required=True, help="fashion-mnist, digits or imagefolder:DIR")
+    data.add_argument(
+        "--data-dir", type=existing_folder, help=f"Fashion-MNIST IDX folder (default {DEFAULT_FASHION_MNIST_DIR})"
+    )
+    data.add_argument(
         "--short-side",
         type=non_negative_int,
         default=ResizePolicy().short_side,
         help="resize images (bicubic, aspect kept) to this short side before the processor; 0 = native "
         f"(default: {ResizePolicy().short_side})",
     )
-    add_shared_arguments(parser, "max_patches_per_pack", "side_limit_mode", "image_rule")
-    parser.add_argument(
+    add_shared_arguments(data, "max_patches_per_pack", "side_limit_mode", "image_rule")
+    features = parser.add_argument_group("features")
+    features.add_argument(
+        "--features",
+        choices=FEATURE_VIEWS,
+        default="mean",
+        help="feature view (default: mean, the patch rows' mean; last4 needs an encoder of at least 4 blocks; cls, "
+        "the CLS row after the final norm, and both, cls and mean concatenated, a tower with a CLS token (ViT, "
+        "DeiT, DINOv2); pooled, the tower's pooled output (the CLS row, SigLIP's MAP head; not MoonViT's))",
+    )
+    features.add_argument(
+        "--last-blocks",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="with --features cls or both: the CLS rows of the last N blocks, each after the final norm, "
+        "concatenated (both: then the mean of the last block's patch rows, DINOv2's linear-evaluation features "
+        "at N = 4); the view is named cls-lastN / both-lastN (default: 1, the final CLS row)",
+    )
+    features.add_argument("--cache-dir", type=output_dir, help="feature cache (default: <out>/../feature-cache)")
+    probe = parser.add_argument_group("linear probe")
+    probe.add_argument(
         "--solver",
         choices=("adamw", "lbfgs"),
         default=defaults.solver,
         help=f"probe solver (default: {defaults.solver})",
     )
-    parser.add_argument(
+    probe.add_argument(
         "--lrs", type=positive_float, nargs="+", default=defaults.learning_rates, help="AdamW learning rates"
     )
-    parser.add_argument(
+    probe.add_argument(
         "--weight-decays", type=non_negative_float, nargs="+", default=defaults.weight_decays, help="AdamW decays"
     )
-    parser.add_argument(
+    probe.add_argument(
         "--epochs", type=positive_int, default=defaults.epochs, help=f"AdamW epochs (default: {defaults.epochs})"
     )
-    parser.add_argument(
+    probe.add_argument(
         "--min-steps",
         type=non_negative_int,
         default=defaults.min_steps,
         help=f"AdamW minimum steps (default: {defaults.min_steps})",
     )
-    parser.add_argument(
+    probe.add_argument(
         "--batch-size",
         type=positive_int,
         default=defaults.batch_size,
         help=f"AdamW batch size (default: {defaults.batch_size})",
     )
-    parser.add_argument(
+    probe.add_argument(
         "--Cs",
         type=positive_float,
         nargs="+",
         default=defaults.inverse_regularization,
         help="L-BFGS inverse L2 strengths C",
     )
-    parser.add_argument(
+    probe.add_argument(
         "--val-fraction",
         type=fraction,
         default=defaults.val_fraction,
         help=f"selection share of train (default: {defaults.val_fraction})",
     )
-    parser.add_argument("--l2-normalize", action="store_true", help="L2-normalise features before standardising")
-    parser.add_argument("--no-baseline", action="store_true", help="skip the raw-pixels baseline row")
+    probe.add_argument("--l2-normalize", action="store_true", help="L2-normalise features before standardising")
+    probe.add_argument("--no-baseline", action="store_true", help="skip the raw-pixels baseline row")
     knn = parser.add_argument_group("kNN classifier (DINO's weighted vote over cosine neighbours)")
     knn.add_argument(
         "--knn-k",
@@ -231,7 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
     logreg.add_argument(
         "--no-logreg", action="store_true", help="skip the logistic regression (its CSV cell stays empty)"
     )
-    parser.add_argument(
+    output = parser.add_argument_group("output")
+    output.add_argument(
+        "--out",
+        type=output_dir,
+        default=Path("outputs/linear_probe"),
+        help="output folder (default: outputs/linear_probe)",
+    )
+    output.add_argument(
         "--results-csv",
         type=output_file,
         metavar="PATH",
@@ -294,8 +314,8 @@ def run(probe: ProbeRun) -> dict[str, Any]:
             raise ProbeArgumentError(f"cannot load --checkpoint {probe.checkpoint}: {error}") from error
         # a backend that cannot run on this device in this dtype: one line (exit_on), before any feature
         resolve_attn_implementation(probe.attn, encoder.model.device, encoder.model.dtype)
-        if probe.features not in available_views(encoder.model):
-            raise ProbeArgumentError(missing_view_reason(encoder.model, probe.features))
+        if probe.view not in available_views(encoder.model, probe.last_blocks):
+            raise ProbeArgumentError(missing_view_reason(encoder.model, probe.view))
     out = probe.out
     out.mkdir(parents=True, exist_ok=True)
     cache = FeatureCache(probe.cache_dir)

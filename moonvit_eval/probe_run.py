@@ -20,7 +20,7 @@ import torch
 from moonvit.cli import torch_dtype, typed_run
 from moonvit.media.packing import DEFAULT_MAX_PATCHES_PER_PACK
 
-from .features import ResizePolicy
+from .features import ResizePolicy, view_name
 from .knn import KnnConfig
 from .logreg import LogRegConfig, sklearn_version
 from .probe import ProbeConfig
@@ -42,6 +42,8 @@ class ProbeRun:
         dataset: the ``--dataset`` spec (fashion-mnist, digits or imagefolder:DIR).
         data_dir: the Fashion-MNIST IDX folder (None: the default one).
         features: the feature view probed (``pixels``: the raw-pixels probe alone).
+        last_blocks: ``cls`` / ``both`` over the CLS rows of the last N blocks (1: the final one);
+            the view is then named ``cls-lastN`` / ``both-lastN`` (:func:`~eval.features.view_name`).
         checkpoint, preset, random_init: the encoder (a checkpoint, or a preset with seeded random weights).
         out: the output folder (results.json, table.md, confusion PNGs).
         cache_dir: the feature cache.
@@ -82,25 +84,37 @@ class ProbeRun:
     max_patches_per_pack: int = DEFAULT_MAX_PATCHES_PER_PACK
     side_limit_mode: str | None = None
     image_rule: str | None = None
+    last_blocks: int = 1
     baseline: bool = True
     command: str = PROGRAM
 
     @property
+    def view(self) -> str:
+        """The view probed by its name: ``features``, over the last N blocks where ``last_blocks`` says."""
+        return view_name(self.features, self.last_blocks)
+
+    @property
     def views(self) -> list[str]:
-        """The views probed, in order: ``features``, then the raw-pixels baseline unless skipped."""
-        return [self.features] + ([] if not self.baseline or self.features == "pixels" else ["pixels"])
+        """The views probed, in order: :attr:`view`, then the raw-pixels baseline unless skipped."""
+        return [self.view] + ([] if not self.baseline or self.features == "pixels" else ["pixels"])
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, argv: Sequence[str] | None = None) -> ProbeRun:
         """The run of a parsed command line (``argv``: its words, for ``command``; None: ``sys.argv``).
 
         Raises:
-            ProbeArgumentError: an encoder view with no encoder, a preset without ``--random-init``,
-                or the logistic regression without scikit-learn.
+            ProbeArgumentError: an encoder view with no encoder, ``--last-blocks`` with a view that does
+                not read the CLS row, a preset without ``--random-init``, or the logistic regression
+                without scikit-learn.
         """
         if args.features != "pixels" and args.checkpoint is None and args.preset is None:
             raise ProbeArgumentError(
                 f"--features {args.features} needs an encoder: --checkpoint PATH or --preset NAME --random-init"
+            )
+        if args.last_blocks != 1 and args.features not in ("cls", "both"):
+            raise ProbeArgumentError(
+                f"--last-blocks {args.last_blocks} reads the CLS rows of the last blocks: it goes with --features "
+                f"cls or both, not {args.features}"
             )
         if args.preset is not None and not args.random_init:
             raise ProbeArgumentError(f"--preset {args.preset} has no trained weights; add --random-init")

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import ACROSS_SHAPES, randomise_, tiny_model
-from transformers import ViTConfig, ViTModel
+from transformers import Dinov2WithRegistersConfig, Dinov2WithRegistersModel, ViTConfig, ViTModel
 
 from moonvit.families.vit import ClassicViT
 from moonvit.families.vit.model import ViTBlock
@@ -188,6 +188,36 @@ def test_vit_intermediates_match_transformers_hidden_states(tmp_path):
                 assert found.prefix_tokens is not None
                 torch.testing.assert_close(found.patch_tokens[k], torch.cat([r[1:] for r in expected]), **CLOSE)
                 torch.testing.assert_close(found.prefix_tokens[k], torch.stack([r[:1] for r in expected]), **CLOSE)
+
+
+def test_dinov2_intermediates_match_transformers_hidden_states(tmp_path):
+    """A transformers ``Dinov2WithRegistersModel`` folder read by the dinov2 family: hidden_states[i]
+    (1, 1 + R + h * w, D) are block i's CLS row, its R registers and its patch rows; its layernorm of
+    them is ``norm=True``'s. Within 1e-5: transformers resamples its table in float32 (grids other than
+    its native 4 x 4), the tower in float64."""
+    config = Dinov2WithRegistersConfig(
+        hidden_size=32, num_hidden_layers=3, num_attention_heads=2, mlp_ratio=2, image_size=32, patch_size=8,
+        num_register_tokens=2,
+    )  # fmt: skip
+    reference = randomise_(Dinov2WithRegistersModel(config).double(), seed=6)
+    reference.set_attn_implementation("sdpa")
+    reference.eval().save_pretrained(tmp_path)
+    model = ClassicViT.from_pretrained(tmp_path).eval()
+    pictures = images(8, seed=7)
+    pixels, grids = pack(pictures, 8)
+    close = dict(rtol=0.0, atol=1e-5)
+    with torch.no_grad():
+        raw = intermediates(model, pixels, grids, indices=(0, 1, -2, -1))
+        normed = intermediates(model, pixels, grids, indices=(0, 1, -2, -1), norm=True)
+        states = [reference(pixel_values=p[None], output_hidden_states=True).hidden_states for p in pictures]
+        for k, index in enumerate(raw.indices):
+            rows = [s[index][0] for s in states]
+            for found, transform in ((raw, lambda x: x), (normed, reference.layernorm)):
+                expected = [transform(r) for r in rows]
+                assert found.prefix_tokens is not None and found.prefix_tokens[k].shape == (3, 3, 32)
+                torch.testing.assert_close(found.patch_tokens[k], torch.cat([r[3:] for r in expected]), **close)
+                torch.testing.assert_close(found.prefix_tokens[k], torch.stack([r[:3] for r in expected]), **close)
+    assert raw.indices == (0, 1, 2, 3)
 
 
 # ---- MoonViT --------------------------------------------------------------------------------------------

@@ -178,7 +178,7 @@ def test_main_job_writes_patch_tokens_and_the_cls_row_of_a_vit_folder(vit, image
 
 def test_a_gap_tower_gives_the_mean_of_its_patch_rows_and_no_prefix_rows(tmp_path, images):
     """A classic ViT pooled by the mean of its patches (no CLS token): ``pooled`` is that mean, and
-    neither the main job nor the export writes prefix rows."""
+    neither the main job nor the export writes prefix rows; the export stores the pooled vector."""
     folder = save_tower(tmp_path / "gap", class_token=False, pool="avg")
     out = tmp_path / "out"
     argv = ["--checkpoint", str(folder), "--images", *map(str, images), "--out", str(out), "--dtype", "fp32"]
@@ -188,9 +188,10 @@ def test_a_gap_tower_gives_the_mean_of_its_patch_rows_and_no_prefix_rows(tmp_pat
     for key in merged:
         assert_close_across_shapes(pooled[key], merged[key][:, 0].mean(0))
     run_export("--inputs", images[0].parent, "--checkpoint", folder, "--out", tmp_path / "export", "--store", "merged")
-    assert "prefix_tokens" not in json.loads((tmp_path / "export" / "run.json").read_text())
+    run = json.loads((tmp_path / "export" / "run.json").read_text())
+    assert "prefix_tokens" not in run and run["pooled"]["kind"] == "mean"
     with safe_open(tmp_path / "export" / "shard-000000.safetensors", framework="pt") as shard:
-        assert set(shard.keys()) == {"merged"}
+        assert set(shard.keys()) == {"merged", "pooled"}
 
 
 def test_main_job_on_a_transformers_classifier_writes_its_logits(tmp_path, capsys):
@@ -302,8 +303,9 @@ def test_export_cache_holds_the_prefix_rows_and_keys_them(vit, images, tmp_path)
     assert TokenCache(tmp_path, cache_settings(without)).digest != TokenCache(tmp_path, settings).digest
     entry = next((tmp_path / "cache").rglob("*.safetensors"))
     with safe_open(entry, framework="pt") as handle:
-        assert set(handle.keys()) == {"merged", "prefix_tokens"}
+        assert set(handle.keys()) == {"merged", "prefix_tokens", "pooled"}
         assert handle.get_slice("prefix_tokens").get_shape() == [1, 1, WIDTH]
+        assert handle.get_slice("pooled").get_shape() == [1, WIDTH]
 
 
 def test_the_ray_engine_writes_a_vit_export_s_bytes(deit, images, tmp_path):
@@ -376,7 +378,7 @@ def digits_sample():
 def test_probe_features_cls_mean_and_both_of_a_vit_tower(vit, digits_sample):
     encoder = load_frozen_encoder(checkpoint=vit, dtype=torch.float32)
     assert encoder.processor == PROCESSOR and available_views(encoder.model) == (
-        "mean", "merged-mean", "cls", "both",
+        "mean", "merged-mean", "cls", "both", "pooled",
     )  # fmt: skip
     resize = ResizePolicy(32)
     views = ["cls", "mean", "both"]
@@ -399,7 +401,9 @@ def test_linear_probe_command_on_a_vit_folder(view, dim, vit, tmp_path):
     assert results["top1"] > 0.3  # a random tiny tower on 10 classes, well above chance
 
 
-@pytest.mark.parametrize("source, what", [("moonvit", "a MoonViT tower"), ("gap", "a classic ViT pooled by the mean")])
+@pytest.mark.parametrize(
+    "source, what", [("moonvit", "a MoonViT tower"), ("gap", "a classic ViT / DeiT tower pooled by the mean")]
+)
 @pytest.mark.parametrize("view", ["cls", "both"])
 def test_cls_features_of_a_tower_without_a_cls_token_are_refused(source, what, view, tmp_path, capsys):
     folder = tmp_path / source

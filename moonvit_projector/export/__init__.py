@@ -5,10 +5,12 @@
 
 The inputs are split, in input order, into shards of ``--shard-size`` images. Shard k is written
 to ``shard-{k:06d}.safetensors``: one tensor per stored kind, the images' tokens back to back
-(``projected`` (sum n_i, llm_hidden), ``merged`` (sum n_i, 4, D); a classic ViT / DeiT tower's
-``merged`` is (sum n_i, 1, D), each patch one token, and its shards also hold ``prefix_tokens``
-(images, n_prefix, D), each image's CLS (and distillation) rows, the row named by its manifest
-line's ``prefix_row`` and described by ``run.json``'s ``prefix_tokens``). Its manifest lines and
+(``projected`` (sum n_i, llm_hidden), ``merged`` (sum n_i, 4, D); a ViT tower's (ViT, DeiT,
+SigLIP, DINOv2) ``merged`` is (sum n_i, 1, D), each patch one token, and its shards also hold one row
+per image of ``prefix_tokens`` (images, n_prefix, D), its CLS (then distillation or register) rows,
+where the tower has them, and ``pooled`` (images, D), its pooled vector (the CLS row after the final
+norm, SigLIP's MAP head); an image's rows are named by its manifest line's ``prefix_row`` /
+``pooled_row``, each tensor described by ``run.json``'s key of its name). Its manifest lines and
 failures go to ``parts/shard-{k:06d}.json``. Both files are written to a temporary name and renamed, shard
 first, so a shard is done exactly when its part exists: a killed run started again with the same
 arguments redoes only the shards in flight. At the end rank 0 assembles ``manifest.jsonl`` (one
@@ -69,7 +71,16 @@ from .cli import build_parser, export_run, main
 from .inputs import InputImage, Inputs, listing_sha256, read_inputs, scan_inputs
 from .models import Models, load_models
 from .plan import ExportItem, plan_all, plan_input, shard_ranges, split_balanced
-from .run import Progress, claim_output, describe_run, export, export_on_ray, export_rank, prefix_description
+from .run import (
+    Progress,
+    claim_output,
+    describe_run,
+    export,
+    export_on_ray,
+    export_rank,
+    pooled_description,
+    prefix_description,
+)
 from .settings import ENGINES, STORES, ExportError, ExportRun
 from .shards import (
     ShardResult,
@@ -123,6 +134,7 @@ __all__ = [
     "part_path",
     "plan_all",
     "plan_input",
+    "pooled_description",
     "prefix_description",
     "read_inputs",
     "scan_inputs",

@@ -13,11 +13,12 @@ The settings digest is the SHA-256 of the canonical JSON of :func:`cache_setting
 ``run.json`` that an image's tokens depend on: the cache format, the package's version, the
 weights' hash (encoder, and projector when projected tokens are stored), the encoder's and the
 projector's resolved configs, the processor's ``to_dict()``, the dtype, the stored kinds, the
-prefix tokens stored beside them (a classic ViT / DeiT tower's ``prefix_tokens``), the max
+per-image rows stored beside them (a ViT tower's ``prefix_tokens`` and ``pooled``), the max
 patches per pack (an image over it is scaled down) and the compute description (threads, torch
 version, device type, CPU kernel level, the host's bf16 units and Pillow, the attention
 backend). An entry holds one tensor per stored kind, each (n, ...) for the image's n tokens,
-and, for such a tower, its prefix rows as ``prefix_tokens`` (1, n_prefix, D); as metadata, the
+and, for such a tower, its prefix rows as ``prefix_tokens`` (1, n_prefix, D) and its pooled
+vector as ``pooled`` (1, D); as metadata, the
 settings digest, the content hash and the SHA-256 of its tensors' bytes; an entry whose
 metadata or bytes do not match is a miss (counted as corrupt), and is encoded again and
 rewritten. Entries are written atomically (temporary name, rename), so concurrent writers of the
@@ -37,7 +38,7 @@ from safetensors import safe_open
 
 from moonvit.files import save_safetensors_atomic, write_text_atomic
 
-from ..token_folder import PREFIX_TENSOR
+from ..token_folder import PER_IMAGE_ROWS
 from .plan import ExportItem
 
 __all__ = [
@@ -78,9 +79,9 @@ def duplicate_sources(planned: Sequence[ExportItem]) -> dict[int, int]:
 TOKEN_SETTINGS = ("moonvit_version", "models", "processor", "dtype", "store", "compute")
 """The keys of ``run.json`` that an image's tokens depend on (beside the weights' hash and the
 pack budget); the rest (inputs, shard size, the checkpoint's path) only place them in a folder."""
-OPTIONAL_TOKEN_SETTINGS = ("prefix_tokens",)
-"""Keys of ``run.json`` that only some exports have (a classic ViT / DeiT tower's prefix tokens),
-part of the cache key where present."""
+OPTIONAL_TOKEN_SETTINGS = tuple(PER_IMAGE_ROWS)
+"""Keys of ``run.json`` that only some exports have (a ViT tower's ``prefix_tokens`` and ``pooled``,
+each describing its per-image tensor of the same name), part of the cache key where present."""
 
 
 def cache_settings(run: Mapping[str, Any]) -> dict[str, Any]:
@@ -114,15 +115,15 @@ class TokenCache:
         self.digest = hashlib.sha256(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()
         self.folder = Path(root) / self.digest
         self.kinds = tuple(self.settings["store"])
-        # a tower with prefix tokens: each entry also holds its image's (1, n_prefix, D) rows
-        self.prefix = PREFIX_TENSOR if "prefix_tokens" in self.settings else None
+        # a ViT tower: each entry also holds its image's (1, n_prefix, D) prefix rows and (1, D) pooled vector
+        self.per_image = tuple(name for name in PER_IMAGE_ROWS if name in self.settings)
         self.corrupt = 0
         """Entries found damaged (or made for other settings under this digest) and so encoded again."""
 
     @property
     def names(self) -> tuple[str, ...]:
-        """The tensors of an entry: the stored kinds, and the prefix rows where the tower has them."""
-        return self.kinds if self.prefix is None else (*self.kinds, self.prefix)
+        """The tensors of an entry: the stored kinds, and the per-image rows where the tower has them."""
+        return (*self.kinds, *self.per_image)
 
     def path(self, sha256: str) -> Path:
         return self.folder / sha256[:2] / f"{sha256}.safetensors"
@@ -150,13 +151,13 @@ class TokenCache:
                 lengths = {name: handle.get_slice(name).get_shape()[0] for name in handle.keys()}  # noqa: SIM118
                 if tensors:
                     loaded = {name: handle.get_tensor(name) for name in lengths}
-            tokens = {length for name, length in lengths.items() if name != self.prefix}
+            tokens = {length for name, length in lengths.items() if name not in self.per_image}
             valid = (
                 metadata.get("settings") == self.digest
                 and metadata.get("sha256") == sha256
                 and set(lengths) == set(self.names)
                 and len(tokens) == 1
-                and (self.prefix is None or lengths[self.prefix] == 1)
+                and all(lengths[name] == 1 for name in self.per_image)
                 and (not tensors or metadata.get("tokens_sha256") == tokens_sha256(loaded))
             )
         except Exception:  # a truncated or garbled file: any error of the reader
@@ -171,7 +172,8 @@ class TokenCache:
         self.path(sha256).unlink(missing_ok=True)
 
     def save(self, sha256: str, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Store one image's tokens (each kind (n, ...), the prefix rows (1, n_prefix, D)) atomically."""
+        """Store one image's tokens (each kind (n, ...); the prefix rows (1, n_prefix, D) and pooled vector
+        (1, D) where the tower has them) atomically."""
         settings_file = self.folder / "settings.json"
         if not settings_file.is_file():
             self.folder.mkdir(parents=True, exist_ok=True)

@@ -1,15 +1,15 @@
 """The export's models: the encoder, the projector when projected tokens are stored, the processors.
 
-Any registered tower exports: MoonViT (merged 2x2 groups, a projector in its folder) and the classic
-ViT / DeiT (each patch one token, no merger, its CLS and distillation rows as prefix tokens). A classic
-ViT folder holds no projector: its tokens export as ``--store merged``, or projected by a projector
-read with ``--projector-from`` that takes its width and one patch per token.
+Any registered tower exports: MoonViT (merged 2x2 groups, a projector in its folder) and the ViT
+tower (ViT, DeiT, SigLIP, DINOv2: each patch one token, no merger; its prefix rows and pooled vector
+stored per image). A ViT folder holds no projector: its tokens export as ``--store merged``, or
+projected by a projector read with ``--projector-from`` that takes its width and one patch per token.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +21,7 @@ from moonvit import ImageProcessor, MoonViT, VisionEncoder
 from moonvit.encode import checkpoint_processors
 from moonvit.media.video import MoonViTVideoProcessor
 from moonvit.model.attention import resolve_attn_implementation
-from moonvit.model.interface import prefix_token_count, tower_name
+from moonvit.model.interface import pooled_kind, prefix_token_count, tower_name
 from moonvit.weights.checkpoint import CheckpointError, update_weights_digest
 
 from ..model import MoonViTProjector
@@ -42,9 +42,15 @@ class Models:
 
     @property
     def prefix_tokens(self) -> int:
-        """The encoder's prefix tokens per image (CLS, then DeiT's distillation token), stored beside
-        the tokens: 0 for MoonViT."""
+        """The encoder's prefix tokens per image (CLS, then DeiT's distillation token or DINOv2's
+        registers), stored beside the tokens: 0 for MoonViT and SigLIP."""
         return prefix_token_count(self.encoder.config)
+
+    @property
+    def pooled(self) -> str | None:
+        """What the encoder's pooled vector per image is (``cls``, ``mean``, ``map``: see
+        :func:`~moonvit.model.interface.pooled_kind`), stored beside the tokens; None for MoonViT."""
+        return pooled_kind(self.encoder.config)
 
     def attention(self, device: torch.device) -> str:
         """The attention backend the encoder runs on ``device`` (``auto`` resolved: OpenVINO's where it is
@@ -87,16 +93,16 @@ def _load_projector(
     checkpoint: str | Path, projector_from: str | Path | None, encoder: VisionEncoder
 ) -> MoonViTProjector:
     """The projector of ``projector_from`` (or of the checkpoint), refused where it does not take the
-    encoder's merged tokens (another width or merge kernel). A classic ViT / DeiT folder holds none:
-    without ``projector_from`` that is an error that says what to do instead."""
+    encoder's merged tokens (another width or merge kernel). A ViT tower's folder (no merger) holds
+    none: without ``projector_from`` that is an error that says what to do instead."""
     flag, source = ("--checkpoint", checkpoint) if projector_from is None else ("--projector-from", projector_from)
     config = encoder.config
-    if projector_from is None and config.model_type == "classic_vit":
+    if projector_from is None and config.tokens_per_merge == 1:  # a tower without a merger: a ViT tower's folder
         raise ExportError(
-            f"--checkpoint {checkpoint} holds a {tower_name(config)}, which comes without a projector: export its "
-            f"tokens with --store merged (one {config.hidden_size}-wide token per patch, the CLS row in "
-            f"prefix_tokens), or add --projector-from DIR_OR_HUB_ID with a projector that takes "
-            f"{config.hidden_size}-wide tokens of one patch (merge_kernel_size 1x1)"
+            f"--checkpoint {checkpoint} holds a {tower_name(config)}, which comes without a projector: export "
+            f"its tokens with --store merged (one {config.hidden_size}-wide token per patch, its prefix rows "
+            f"and pooled vector beside them), or add --projector-from DIR_OR_HUB_ID with a projector that "
+            f"takes {config.hidden_size}-wide tokens of one patch (merge_kernel_size 1x1)"
         )
     try:
         projector = MoonViTProjector.from_pretrained(source, device="cpu")
@@ -106,10 +112,9 @@ def _load_projector(
                 "; --projector-from DIR_OR_HUB_ID reads one from another folder (use --store merged to export "
                 "without a projector)"
             )
-        elif _holds_classic_vit(source):
-            hint = " (it holds a classic ViT / DeiT tower, which comes without a projector)"
         else:
-            hint = ""
+            tower = _tower_without_merger(source)
+            hint = "" if tower is None else f" (it holds a {tower}, which comes without a projector)"
         raise ExportError(f"{flag} {source}: {error}{hint}") from error
     wanted = (config.hidden_size, config.merge_kernel_size)
     takes = (projector.config.vision_hidden_size, projector.config.merge_kernel_size)
@@ -117,22 +122,20 @@ def _load_projector(
         raise ExportError(
             f"{flag} {source}: its projector takes {takes[0]}-wide patches merged {takes[1][0]}x{takes[1][1]}, "
             f"the encoder of --checkpoint {checkpoint} gives {wanted[0]}-wide ones merged {wanted[1][0]}x{wanted[1][1]}"
-            + (
-                f" (a {tower_name(config)}: no merger, each patch one token)"
-                if config.model_type == "classic_vit"
-                else ""
-            )
+            + (f" (a {tower_name(config)}: no merger, each patch one token)" if config.tokens_per_merge == 1 else "")
         )
     return projector
 
 
-def _holds_classic_vit(source: str | Path) -> bool:
-    """Whether a local folder's ``config.json`` is a classic ViT / DeiT tower's (for a message)."""
-    from moonvit.families import find_family
+def _tower_without_merger(source: str | Path) -> str | None:
+    """What a message calls the tower of a local folder whose tower has no merger (a ViT's: its folders
+    hold no projector), read from its ``config.json``; None for any other folder or one that cannot be read."""
+    from moonvit.weights.checkpoint import read_config
 
     try:
-        values = json.loads((Path(source) / "config.json").read_text())
-        family = find_family(values) if isinstance(values, dict) else None
-    except (OSError, ValueError):
-        return False
-    return family is not None and family.name == "classic-vit"
+        with warnings.catch_warnings():  # its unread config keys are not this message's business
+            warnings.simplefilter("ignore")
+            config, _ = read_config(Path(source))
+    except (OSError, ValueError, CheckpointError):
+        return None
+    return tower_name(config) if config.tokens_per_merge == 1 else None

@@ -18,10 +18,11 @@ import moonvit
 from moonvit.cli import apply_threads, torch_dtype
 from moonvit.distributed import Ranks, close_ranks, init_ranks
 from moonvit.files import write_text_atomic
+from moonvit.model.interface import prefix_token_names
 from moonvit.runs import compute_facts, describe_differences, differences
 from moonvit.weights.hub import source_label
 
-from ..token_folder import FAILURES_FILE, FORMAT, PREFIX_NAMES, PREFIX_ROW, PREFIX_TENSOR, RUN_FILE
+from ..token_folder import FAILURES_FILE, FORMAT, POOLED_ROW, POOLED_TENSOR, PREFIX_ROW, PREFIX_TENSOR, RUN_FILE
 from .cache import TokenCache, cache_settings, duplicate_sources
 from .inputs import InputImage, Inputs, listing_sha256, scan_inputs
 from .models import Models, load_models
@@ -37,6 +38,7 @@ __all__ = [
     "export_on_ray",
     "export_rank",
     "kept_shards",
+    "pooled_description",
     "prefix_description",
 ]
 
@@ -51,9 +53,10 @@ def describe_run(run: ExportRun, models: Models, images: Sequence[InputImage], d
     The number of ranks is not there: it does not change the output. ``checkpoint.sha256`` hashes the
     encoder's and the projector's weights; ``checkpoint.projector_from`` names where the projector
     came from when it is not the checkpoint (``--projector-from``; absent otherwise). For a tower
-    with prefix tokens (the classic ViT / DeiT), ``prefix_tokens`` describes the shards' tensor of
-    them (:func:`prefix_description`; absent for MoonViT). Made of JSON types only (lists, not
-    tuples), so it compares equal to the file read back.
+    with prefix tokens (ViT, DeiT, DINOv2), ``prefix_tokens`` describes the shards' tensor of
+    them (:func:`prefix_description`), and for one with a pooled output (every ViT tower) ``pooled``
+    its tensor of those (:func:`pooled_description`); both absent for MoonViT. Made of JSON types only
+    (lists, not tuples), so it compares equal to the file read back.
     """
     description = {
         "format": FORMAT,
@@ -87,20 +90,34 @@ def describe_run(run: ExportRun, models: Models, images: Sequence[InputImage], d
     }
     if models.prefix_tokens:
         description["prefix_tokens"] = prefix_description(models)
+    if models.pooled:
+        description["pooled"] = pooled_description(models)
     return json.loads(json.dumps(description))
 
 
 def prefix_description(models: Models) -> dict[str, Any]:
     """``run.json``'s ``prefix_tokens``: the shards' tensor of the prefix rows (its name), how many rows
-    each image has and what they are (``cls``, then DeiT's ``distillation``), its shape per shard and
-    the manifest key of an image's row."""
+    each image has and what they are (``cls``, then DeiT's ``distillation`` or DINOv2's ``register_0``
+    ...), its shape per shard and the manifest key of an image's row."""
     count = models.prefix_tokens
     return {
         "tensor": PREFIX_TENSOR,
         "count": count,
-        "rows": list(PREFIX_NAMES[:count]),
+        "rows": list(prefix_token_names(models.encoder.config)),
         "shape": ["images", count, models.encoder.config.hidden_size],
         "manifest_key": PREFIX_ROW,
+    }
+
+
+def pooled_description(models: Models) -> dict[str, Any]:
+    """``run.json``'s ``pooled``: the shards' tensor of each image's pooled vector (its name), what it is
+    (``cls``: the CLS row after the final norm; ``map``: SigLIP's MAP head; ``mean``: the patch rows'
+    mean), its shape per shard and the manifest key of an image's row."""
+    return {
+        "tensor": POOLED_TENSOR,
+        "kind": models.pooled,
+        "shape": ["images", models.encoder.config.hidden_size],
+        "manifest_key": POOLED_ROW,
     }
 
 

@@ -1,8 +1,9 @@
 """Writing shards: one shard's tokens and part file (each atomically), then the manifest from the parts.
 
 Shard k is ``shard-{k:06d}.safetensors`` (one tensor per stored kind, the images' tokens back to
-back; for a tower with prefix tokens, the classic ViT / DeiT, also ``prefix_tokens``
-(images, n_prefix, D), one row per image, named by the line's ``prefix_row``) and
+back; for a tower with prefix tokens (ViT, DeiT, DINOv2) also ``prefix_tokens`` (images, n_prefix, D),
+and for a tower with a pooled output (every ViT tower) ``pooled`` (images, D), one row per image each,
+named by the line's ``prefix_row`` / ``pooled_row``) and
 ``parts/shard-{k:06d}.json`` (its manifest lines and failures). The shard is renamed into
 place before its part, so a shard is done exactly when its part exists.
 """
@@ -25,7 +26,7 @@ from moonvit.files import save_safetensors_atomic, write_text_atomic
 from moonvit.media.packing import Pack, group_into_packs
 from moonvit.names import path_record
 
-from ..token_folder import FAILURES_FILE, MANIFEST_FILE, PARTS_DIR, PREFIX_ROW, PREFIX_TENSOR
+from ..token_folder import FAILURES_FILE, MANIFEST_FILE, PARTS_DIR, PER_IMAGE_ROWS, POOLED_TENSOR, PREFIX_TENSOR
 from .cache import TokenCache, cacheable
 from .models import Models
 from .plan import ExportItem
@@ -215,7 +216,7 @@ def finish_shard(
     lines: list[dict[str, Any]] = []
     failures: list[dict[str, Any]] = []
     stored: dict[str, list[torch.Tensor]] = {kind: [] for kind in store}
-    prefix: list[torch.Tensor] = []  # a tower with prefix tokens: each image's (1, n_prefix, D)
+    per_image: dict[str, list[torch.Tensor]] = {name: [] for name in PER_IMAGE_ROWS}  # each image's (1, ...)
     offset = 0
     for entry in work.planned:
         if entry.reason is not None:
@@ -234,17 +235,17 @@ def finish_shard(
             result = work.tensors[item.key]
             num_tokens = len(result[store[0]])
             line = manifest_line(entry, item, entry.sha256, num_tokens, shard_name(work.index), offset)
-            if PREFIX_TENSOR in result:
-                line[PREFIX_ROW] = len(prefix)
-                prefix.append(result[PREFIX_TENSOR])
+            for name, row in PER_IMAGE_ROWS.items():  # prefix rows, pooled vector: where the tower gives them
+                if name in result:
+                    line[row] = len(per_image[name])
+                    per_image[name].append(result[name])
             lines.append(line)
             offset += num_tokens
             for kind in store:
                 stored[kind].append(result[kind])
     if offset:
         tensors = {kind: torch.cat(parts) for kind, parts in stored.items()}
-        if prefix:
-            tensors[PREFIX_TENSOR] = torch.cat(prefix)
+        tensors.update({name: torch.cat(rows) for name, rows in per_image.items() if rows})
         save_safetensors_atomic(tensors, out / shard_name(work.index))
     part = part_path(out, work.index)
     part.parent.mkdir(exist_ok=True)
@@ -257,7 +258,8 @@ def stored_tensors(encoded: EncodedPack, models: Models, store: Sequence[str]) -
     """Per item key, the kinds to store on the CPU: ``merged`` (n_i, kh * kw, D) and / or
     ``projected`` (n_i, llm_hidden), n_i = rows_i * cols_i / (kh * kw), in the export dtype; for a
     tower with prefix tokens (:attr:`Models.prefix_tokens`), also ``prefix_tokens`` (1, n_prefix, D),
-    the item's CLS (and distillation) rows after the final norm."""
+    the item's prefix rows after the final norm (CLS, then DeiT's distillation token or DINOv2's
+    registers), and for a tower that pools (:attr:`Models.pooled`) ``pooled`` (1, D)."""
     outputs = {"merged": encoded.merged}
     if "projected" in store:
         assert models.projector is not None
@@ -265,11 +267,17 @@ def stored_tensors(encoded: EncodedPack, models: Models, store: Sequence[str]) -
             outputs["projected"] = models.projector(encoded.merged)
     split = {kind: encoded.split_tokens(outputs[kind].cpu()) for kind in store}
     tensors = {item.key: {kind: split[kind][i] for kind in store} for i, item in enumerate(encoded.items)}
-    if models.prefix_tokens:
-        assert encoded.output is not None and encoded.output.prefix_tokens is not None
-        rows = encoded.output.prefix_tokens.cpu()
-        for i, item in enumerate(encoded.items):
-            tensors[item.key][PREFIX_TENSOR] = rows[i : i + 1]
+    assert encoded.output is not None
+    for name, wanted, given in (
+        (PREFIX_TENSOR, models.prefix_tokens, encoded.output.prefix_tokens),
+        (POOLED_TENSOR, models.pooled, encoded.output.pooled),
+    ):
+        if wanted:
+            if given is None:
+                raise ExportError(f"the encoder's output has no {name}, which its config says it gives")
+            rows = given.to("cpu", copy=True)  # its own storage: a CLS tower's pooled rows are views of its prefix rows
+            for i, item in enumerate(encoded.items):
+                tensors[item.key][name] = rows[i : i + 1]
     return tensors
 
 
