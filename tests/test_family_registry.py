@@ -114,6 +114,40 @@ def _dinov2_registers_timm(tmp: Path) -> dict[str, Any]:
     return {"architecture": "vit_large_patch14_reg4_dinov2.lvd142m", "model_args": {"img_size": 224}}
 
 
+def _siglip_vision(tmp: Path) -> dict[str, Any]:
+    from transformers import SiglipVisionConfig
+
+    return SiglipVisionConfig(vision_use_head=False).to_dict()
+
+
+def _siglip_full(tmp: Path) -> dict[str, Any]:
+    from transformers import SiglipConfig
+
+    return SiglipConfig().to_dict()
+
+
+def _siglip_timm(tmp: Path) -> dict[str, Any]:
+    return {
+        "architecture": "vit_so400m_patch14_siglip_224",
+        "num_classes": 0,
+        "num_features": 1152,
+        "global_pool": "map",
+        "pretrained_cfg": {"input_size": [3, 224, 224], "num_classes": 0},
+    }
+
+
+def _siglip2_vision(tmp: Path) -> dict[str, Any]:
+    from transformers import Siglip2VisionConfig
+
+    return Siglip2VisionConfig().to_dict()
+
+
+def _siglip2_full(tmp: Path) -> dict[str, Any]:
+    from transformers import Siglip2Config
+
+    return Siglip2Config().to_dict()
+
+
 EXAMPLES: dict[str, list[Callable[[Path], dict[str, Any]]]] = {
     "own": [_own],
     "kimi-vl": [_kimi_vl],
@@ -122,6 +156,8 @@ EXAMPLES: dict[str, list[Callable[[Path], dict[str, Any]]]] = {
     "kimi-k3": [_kimi_k3],
     "locateanything": [_locateanything],
     "classic-vit": [_vit_transformers, _deit_transformers, _vit_timm, _vit_own],
+    "siglip": [_siglip_vision, _siglip_full, _siglip_timm],
+    "siglip2": [_siglip2_vision, _siglip2_full],
     "dinov2": [_dinov2_transformers, _dinov2_registers_transformers, _dinov2_timm, _dinov2_registers_timm],
 }
 CASES = [

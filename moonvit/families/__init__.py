@@ -159,4 +159,4 @@ def _load_builtin() -> None:
     _BUILTIN_STARTED = True
     # The specific families' claims do not overlap (tests/test_family_registry.py), so the order they
     # register in (which of them a program imports first) does not change what the loader reads.
-    from . import dinov2, moonvit, openvla, vit  # noqa: F401
+    from . import dinov2, moonvit, openvla, siglip, vit  # noqa: F401

@@ -1,0 +1,46 @@
+"""SigLIP and SigLIP2 (NaFlex): families of the packed engine built as configs of the classic-ViT tower.
+
+A SigLIP tower is :class:`~moonvit.families.vit.ClassicViT` without prefix tokens, with tanh GELU and
+the MAP head (``pool "map"``); SigLIP2 NaFlex the same with its own table rule (``"naflex"``). No
+tower of their own:
+
+- :mod:`.config`: the fields they share, their sizes and presets (:func:`siglip_config`);
+- :mod:`.formats`: transformers' ``siglip`` / ``siglip_vision_model`` and ``siglip2`` /
+  ``siglip2_vision_model`` folders and timm's SigLIP folders (config keys, tensor names).
+"""
+
+from __future__ import annotations
+
+from .. import Family, register_family
+from ..vit import ClassicViT, ClassicViTConfig
+from . import formats
+from .config import PRESETS, SIZES, siglip_config
+from .formats import SiglipLayout
+
+__all__ = ["PRESETS", "SIZES", "SiglipLayout", "siglip_config"]
+
+register_family(
+    Family(
+        name="siglip",
+        description="SigLIP: transformers' siglip / siglip_vision_model folders (SiglipModel's vision half), "
+        "timm's vit_*_siglip_* architectures",
+        config_type=ClassicViTConfig,
+        claims=formats.claims_siglip,
+        read=formats.read_siglip,
+        build=ClassicViT,
+        processors=(),
+        tower_name="SigLIP tower",
+    )
+)
+register_family(
+    Family(
+        name="siglip2",
+        description="SigLIP2 NaFlex: transformers' siglip2 / siglip2_vision_model folders (Siglip2Model's vision half)",
+        config_type=ClassicViTConfig,
+        claims=formats.claims_siglip2,
+        read=formats.read_siglip2,
+        build=ClassicViT,
+        processors=(),
+        tower_name="SigLIP2 NaFlex tower",
+    )
+)

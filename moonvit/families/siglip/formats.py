@@ -1,0 +1,326 @@
+"""The folders SigLIP and SigLIP2 come in: their ``config.json`` and their tensor names.
+
+- **transformers SigLIP**: ``SiglipVisionModel`` (``model_type "siglip_vision_model"``) and
+  ``SiglipModel`` (``"siglip"``, the tower's keys in ``vision_config``; SigLIP2's fixed-resolution
+  releases are these too). Tensors ``embeddings.patch_embedding`` (a Conv2d), ``embeddings.
+  position_embedding.weight`` ((N, D): the tower's (1, N, D) table), ``encoder.layers.N.{layer_norm1,
+  self_attn.{q,k,v,out}_proj, layer_norm2, mlp.fc1, mlp.fc2}``, ``post_layernorm`` and the MAP head
+  ``head.{probe, attention.in_proj_{weight,bias}, attention.out_proj, layernorm, mlp.fc1, mlp.fc2}``.
+  A ``SiglipModel`` keeps them under ``vision_model.`` and only those are read (never the text tower,
+  ``logit_scale`` or ``logit_bias``); a ``SiglipVisionModel`` under ``vision_model.`` as the hub and
+  transformers 4 store it, or unprefixed as transformers 5's ``save_pretrained`` writes it. The table
+  follows transformers' rule (bicubic, the native square grid unchanged).
+- **transformers SigLIP2 NaFlex**: ``Siglip2VisionModel`` (``"siglip2_vision_model"``) and
+  ``Siglip2Model`` (``"siglip2"``): the same names, but the patch embedding is a Linear over patches
+  flattened as (row, column, channel), (D, p * p * C), turned into the tower's (D, C, p, p) here (and back
+  when written); ``num_patches`` rows of table (16 x 16 for 256), resampled by NaFlex's rule (bilinear
+  with antialias, in float32, at every grid).
+- **timm** (``architecture`` ``vit_<size>_patch<p>_siglip[_gap]_<px>``, with ``model_args``,
+  ``pretrained_cfg``): the tower's own names, but for the MAP head's ``attn_pool.q`` and
+  ``attn_pool.kv``, concatenated into its ``qkv``; ``head`` where ``num_classes`` > 0. Sizes
+  (``base``, ``large``, ``so400m``, ``giantopt``) from the name, ``model_args`` overriding; each
+  architecture's GELU as timm builds it (tanh for some, exact for the others); the table resampled by
+  timm's rule.
+
+``vision_use_head: false`` (PaliGemma's tower) builds no head: ``pooled`` is then the mean of the patch
+rows (``pool "avg"``), as for timm's ``_gap`` towers. This package's own folders of these towers are
+classic-ViT folders (``model_type "classic_vit"``), read by that family.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...weights.config_keys import warn_unread_keys
+from ...weights.formats import TensorSource
+from ..vit.config import ClassicViTConfig
+from ..vit.formats import _input_size, _single
+from .config import SIGLIP_FIELDS, SIZES, sized
+
+SIGLIP_TYPES = ("siglip", "siglip_vision_model")
+SIGLIP2_TYPES = ("siglip2", "siglip2_vision_model")
+
+# Keys of a transformers SigLIP / SigLIP2 vision config this package reads, and those that change nothing here.
+_TRANSFORMERS_KEYS = {
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels", "patch_size",
+    "hidden_act", "layer_norm_eps", "vision_use_head",
+}  # fmt: skip
+_TRANSFORMERS_IGNORED = {"attention_dropout", "initializer_range", "initializer_factor"}
+# transformers' activation names -> the tower's (gelu_new is the same tanh approximation, written out)
+_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
+# transformers' SiglipVisionConfig defaults where they differ from ClassicViTConfig's
+_DEFAULTS = dict(sized("base"), patch_size=16, image_size=224, num_channels=3, layer_norm_eps=1e-6)
+
+_TIMM_ARCH = re.compile(r"^vit_(?P<size>[a-z0-9]+)_patch(?P<patch>\d+)_siglip(?P<gap>_gap)?_(?P<img>\d+)")
+_TIMM_KEYS = {
+    "architecture",
+    "num_classes",
+    "num_features",
+    "global_pool",
+    "model_args",
+    "pretrained_cfg",
+    "label_names",
+}
+# timm VisionTransformer arguments this package reads, and those whose other values it does not build
+_TIMM_ARGS = {
+    "embed_dim": "hidden_size", "depth": "num_hidden_layers", "num_heads": "num_attention_heads",
+    "img_size": "image_size", "patch_size": "patch_size", "in_chans": "num_channels", "qkv_bias": "qkv_bias",
+}  # fmt: skip
+_TIMM_FIXED = {
+    "class_token": False, "init_values": None, "reg_tokens": 0, "no_embed_class": False, "pre_norm": False,
+    "fc_norm": False, "qk_norm": False, "dynamic_img_pad": False, "pos_embed": "learn", "final_norm": True,
+}  # fmt: skip
+_TIMM_OTHER_ARGS = {"mlp_ratio", "act_layer", "global_pool", "num_classes", "dynamic_img_size"}
+_TIMM_MLP_RATIO = {"so400m": 3.7362}  # the others: 4
+
+
+def claims_siglip(values: dict[str, Any]) -> bool:
+    """Whether a ``config.json`` is a SigLIP tower's: transformers' ``siglip`` / ``siglip_vision_model``,
+    or a timm SigLIP architecture."""
+    if values.get("model_type") in SIGLIP_TYPES:
+        return True
+    architecture = values.get("architecture")
+    return "vision_config" not in values and isinstance(architecture, str) and bool(_TIMM_ARCH.match(architecture))
+
+
+def claims_siglip2(values: dict[str, Any]) -> bool:
+    """Whether a ``config.json`` is transformers' SigLIP2 NaFlex (``siglip2`` / ``siglip2_vision_model``)."""
+    return values.get("model_type") in SIGLIP2_TYPES
+
+
+def read_siglip(values: dict[str, Any], where: Path, names: Collection[str]) -> tuple[ClassicViTConfig, SiglipLayout]:
+    """The tower's config and tensor layout of a SigLIP folder, transformers' or timm's."""
+    if values.get("model_type") not in SIGLIP_TYPES:
+        return _read_timm(values, where)
+    return _read_transformers(values, where, names, naflex=False)
+
+
+def read_siglip2(values: dict[str, Any], where: Path, names: Collection[str]) -> tuple[ClassicViTConfig, SiglipLayout]:
+    """The tower's config and tensor layout of a SigLIP2 NaFlex folder."""
+    return _read_transformers(values, where, names, naflex=True)
+
+
+def _read_transformers(
+    values: dict[str, Any], where: Path, names: Collection[str], naflex: bool
+) -> tuple[ClassicViTConfig, SiglipLayout]:
+    full = values["model_type"] in ("siglip", "siglip2")
+    vision = values.get("vision_config", {}) if full else values
+    if not isinstance(vision, dict):
+        raise ValueError(f"vision_config is a {type(vision).__name__}, not an object")
+    warn_unread_keys(
+        where, vision, _TRANSFORMERS_KEYS | _TRANSFORMERS_IGNORED | {"num_patches" if naflex else "image_size"}
+    )
+    fields: dict[str, Any] = {key: vision.get(key, default) for key, default in _DEFAULTS.items()}
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels"):
+        fields[key] = _single(fields[key], key)
+    fields["patch_size"] = _single(fields["patch_size"], "patch_size")
+    fields["layer_norm_eps"] = float(fields["layer_norm_eps"])
+    if naflex:
+        patches = vision.get("num_patches", 256)
+        side = math.isqrt(patches) if isinstance(patches, int) and patches > 0 else 0
+        if side * side != patches:
+            raise ValueError(f"num_patches {patches!r} is not a square number (the table is side x side)")
+        fields["image_size"] = side * fields["patch_size"]
+    else:
+        fields["image_size"] = _table_pixels(_single(fields["image_size"], "image_size"), fields["patch_size"])
+    activation = vision.get("hidden_act", "gelu_pytorch_tanh")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"hidden_act {activation!r} is not supported (one of {', '.join(_ACTIVATIONS)})")
+    head = vision.get("vision_use_head", True)
+    if not isinstance(head, bool):
+        raise ValueError(f"vision_use_head must be true or false, got {head!r}")
+    config = ClassicViTConfig(
+        **{
+            **SIGLIP_FIELDS,
+            **fields,
+            "hidden_act": _ACTIVATIONS[activation],
+            "pool": "map" if head else "avg",
+            "pos_emb_rule": "naflex" if naflex else "transformers",
+            "family": "siglip2" if naflex else "siglip",
+        }
+    )
+    # A full model's vision half, and the hub's SiglipVisionModel, sit under vision_model.; transformers 5
+    # writes a SiglipVisionModel unprefixed. Only a full model's tensors are filtered by the prefix.
+    base = "vision_model." if full or any(name.startswith("vision_model.") for name in names) else ""
+    kind = "naflex" if naflex else "transformers"
+    return config, SiglipLayout(kind, base if full else "", base, config.patch_size, config.num_channels)
+
+
+def _read_timm(values: dict[str, Any], where: Path) -> tuple[ClassicViTConfig, SiglipLayout]:
+    architecture = values["architecture"]
+    match = _TIMM_ARCH.match(architecture)
+    assert match is not None  # claims_siglip() matched it
+    warn_unread_keys(where, values, _TIMM_KEYS)
+    args = values.get("model_args") or {}
+    if not isinstance(args, dict):
+        raise ValueError(f"model_args is a {type(args).__name__}, not an object")
+    warn_unread_keys(where, args, set(_TIMM_ARGS) | set(_TIMM_FIXED) | _TIMM_OTHER_ARGS)
+    for key, value in _TIMM_FIXED.items():
+        if key in args and args[key] != value and not (key == "fc_norm" and args[key] is None):
+            raise ValueError(f"model_args {key}={args[key]!r} is not supported by the SigLIP tower (only {value!r})")
+    size, patch, pixels = match["size"], int(match["patch"]), int(match["img"])
+    if size not in SIZES and not {"embed_dim", "depth", "num_heads"} <= set(args):
+        raise ValueError(
+            f"architecture {architecture!r}: the size {size!r} is not one of {', '.join(SIZES)}; "
+            "give embed_dim, depth and num_heads in model_args"
+        )
+    fields: dict[str, Any] = dict(sized(size)) if size in SIZES else {}
+    fields.update(patch_size=patch, image_size=pixels)
+    pretrained = values.get("pretrained_cfg") or {}
+    input_size = pretrained.get("input_size") if isinstance(pretrained, dict) else None
+    if input_size is not None:  # timm builds img_size and in_chans from it where model_args do not give them
+        fields["num_channels"], fields["image_size"] = _input_size(input_size)
+    fields.update({ours: args[theirs] for theirs, ours in _TIMM_ARGS.items() if theirs in args})
+    fields["patch_size"] = _single(fields["patch_size"], "patch_size")
+    fields["image_size"] = _table_pixels(_single(fields["image_size"], "img_size"), fields["patch_size"])
+    if "embed_dim" in args or "mlp_ratio" in args or size not in SIZES:
+        ratio = float(args.get("mlp_ratio", _TIMM_MLP_RATIO.get(size, 4.0)))
+        fields["intermediate_size"] = int(fields["hidden_size"] * ratio)
+    activation = args.get("act_layer", _timm_activation(size, patch, pixels))
+    if activation not in ("gelu", "gelu_tanh"):
+        raise ValueError(f"model_args act_layer {activation!r} is not supported (only 'gelu', 'gelu_tanh')")
+    # model_args are timm's create_model arguments: they win over the hub config's (pretrained_cfg's) values
+    pool = args.get("global_pool", values.get("global_pool", "avg" if match["gap"] else "map"))
+    if pool not in ("map", "avg"):
+        raise ValueError(f"global_pool {pool!r} is not supported (SigLIP's 'map', or 'avg' without fc_norm)")
+    config = ClassicViTConfig(
+        **{
+            **SIGLIP_FIELDS,
+            **fields,
+            "hidden_act": activation,
+            "pool": pool,
+            "num_classes": int(args.get("num_classes", values.get("num_classes", 0))),
+            "pos_emb_rule": "timm",
+            "family": "siglip",
+        }
+    )
+    return config, SiglipLayout("timm", "")
+
+
+def _table_pixels(image_size: int, patch_size: int) -> int:
+    """The table's side in pixels: transformers and timm build (image_size // patch_size)² rows, so
+    so400m/14 at 384 px has a 27 x 27 table (378 px; their convolution drops the last 6 pixels)."""
+    if image_size < patch_size:
+        raise ValueError(f"image_size {image_size} is smaller than patch_size {patch_size}")
+    return image_size // patch_size * patch_size
+
+
+def _timm_activation(size: str, patch: int, pixels: int) -> str:
+    """The GELU timm builds each SigLIP architecture with (its ``act_layer``, exact GELU where unset):
+    tanh for the /32 base towers, so400m/16, giantopt and large at 512 px; exact for the others."""
+    tanh = (
+        patch == 32 or size == "giantopt" or (size == "so400m" and patch == 16) or (size == "large" and pixels == 512)
+    )
+    return "gelu_tanh" if tanh else "gelu"
+
+
+# ---- tensor names ------------------------------------------------------------------------------
+
+# The tower's module names (timm's) -> transformers' SigLIP names, below vision_model. (or nothing).
+_TRANSFORMERS_NAMES = {
+    "patch_embed.proj": "embeddings.patch_embedding",
+    "norm": "post_layernorm",
+    "attn_pool.proj": "head.attention.out_proj",
+    "attn_pool.norm": "head.layernorm",
+    "attn_pool.mlp.fc1": "head.mlp.fc1",
+    "attn_pool.mlp.fc2": "head.mlp.fc2",
+}
+_TRANSFORMERS_BLOCK = {
+    "norm1": "layer_norm1",
+    "attn.proj": "self_attn.out_proj",
+    "norm2": "layer_norm2",
+    "mlp.fc1": "mlp.fc1",
+    "mlp.fc2": "mlp.fc2",
+}
+
+
+def _unsqueeze(table: torch.Tensor) -> torch.Tensor:
+    return table.unsqueeze(0)
+
+
+def _squeeze(table: torch.Tensor) -> torch.Tensor:
+    return table.squeeze(0)
+
+
+def _table_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return shape[1:]  # (1, N, D) -> (N, D)
+
+
+@dataclass(frozen=True)
+class SiglipLayout:
+    """How a folder names the SigLIP tower's tensors.
+
+    Attributes:
+        name: ``transformers`` (SigLIP), ``naflex`` (SigLIP2: transformers' names, a Linear patch
+            embedding) or ``timm`` (the tower's names, the MAP head's ``q`` and ``kv`` apart).
+        prefix: every tensor the loader reads starts with it (``vision_model.`` for a full model's vision
+            half; ``""``: all the folder's, so that any other tensor is named as unexpected).
+        base: what stands before transformers' names (``vision_model.`` or ``""``).
+        patch_size, channels: the patch embedding's, to unflatten SigLIP2's (D, p * p * C) weight.
+    """
+
+    name: str
+    prefix: str
+    base: str = ""
+    patch_size: int = 0
+    channels: int = 0
+
+    def source(self, model_name: str) -> TensorSource:
+        """Where the tower's state-dict entry ``model_name`` comes from."""
+        module, _, kind = model_name.rpartition(".")
+        if self.name == "timm":
+            if module == "attn_pool.qkv":  # timm's q (D rows) then kv (2D rows: [k | v])
+                return TensorSource((f"attn_pool.q.{kind}", f"attn_pool.kv.{kind}"), shares=(1, 2))
+            return TensorSource((model_name,))
+        base = self.base
+        if model_name == "pos_embed":
+            return TensorSource(
+                (f"{base}embeddings.position_embedding.weight",), (_unsqueeze,), (_squeeze,), stored_shape=_table_shape
+            )
+        if model_name == "attn_pool.latent":
+            return TensorSource((f"{base}head.probe",))
+        if module == "attn_pool.qkv":
+            return TensorSource((f"{base}head.attention.in_proj_{kind}",))
+        if model_name == "patch_embed.proj.weight" and self.name == "naflex":
+            return TensorSource(
+                (f"{base}embeddings.patch_embedding.weight",),
+                (self._conv_weight,),
+                (self._linear_weight,),
+                stored_shape=_flat_patch_shape,
+            )
+        if module in _TRANSFORMERS_NAMES:
+            return TensorSource((f"{base}{_TRANSFORMERS_NAMES[module]}.{kind}",))
+        index, inner = module.removeprefix("blocks.").split(".", 1)
+        layer = f"{base}encoder.layers.{index}."
+        if inner == "attn.qkv":
+            return TensorSource(tuple(f"{layer}self_attn.{p}_proj.{kind}" for p in "qkv"))
+        return TensorSource((f"{layer}{_TRANSFORMERS_BLOCK[inner]}.{kind}",))
+
+    def _conv_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """SigLIP2's (D, p * p * C) Linear weight over (row, column, channel) -> the tower's (D, C, p, p)."""
+        p = self.patch_size
+        return weight.view(weight.shape[0], p, p, self.channels).permute(0, 3, 1, 2).contiguous()
+
+    @staticmethod
+    def _linear_weight(weight: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`_conv_weight`."""
+        return weight.permute(0, 2, 3, 1).reshape(weight.shape[0], -1).contiguous()
+
+    def checkpoint_tensors(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The folder's tensors, by name, of a tower state dict (the inverse of :meth:`source`)."""
+        tensors: dict[str, torch.Tensor] = {}
+        for model_name, tensor in state.items():
+            source = self.source(model_name)
+            tensors.update(zip(source.names, source.split(tensor)))
+        return tensors
+
+
+def _flat_patch_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (shape[0], math.prod(shape[1:]))  # (D, C, p, p) -> (D, p * p * C)
