@@ -454,8 +454,10 @@ def checkpoint_processors(
     tower having ``config``, by the rule its family names (:attr:`Family.default_rule
     <moonvit.families.Family.default_rule>`, found by :func:`~moonvit.families.family_of`).
 
-    A MoonViT folder (no default rule) brings its own (:meth:`MoonViTImageProcessor.from_pretrained`,
-    :meth:`MoonViTVideoProcessor.from_pretrained`). A folder of a family with a default rule is read by
+    A folder of a family without a default rule is read by its own processor files, as its family
+    reads them (``processor_for(checkpoint, None)``): a MoonViT folder's
+    (:meth:`MoonViTImageProcessor.from_pretrained`, and :meth:`MoonViTVideoProcessor.from_pretrained`
+    for its videos); no rule may be named. A folder of a family with a default rule is read by
     that rule unless ``rule`` names another of the family's (see :func:`moonvit.media.processor_for`):
     the classic ViT / DeiT at native resolution (``native``,
     :class:`~moonvit.families.vit.processor.NativeViTImageProcessor`: the tower's patch size, each
@@ -467,28 +469,35 @@ def checkpoint_processors(
 
     Raises:
         CheckpointError: the folder's processor files cannot be read, a rule named for a MoonViT folder,
-            or a setting its rule does not have (the ViT rules have no ``side_limit_mode``: they cap
-            each side themselves).
+            a setting its rule does not have (the ViT rules have no ``side_limit_mode``: they cap
+            each side themselves), or a processor whose patches the tower does not take (another
+            patch size or merge kernel: a family whose rules are not registered).
     """
     from .families import family_of  # the families build on this package's modules
 
     family = family_of(config)
     default = None if family is None else family.default_rule
-    if default is None:  # the folder's own processor files
-        if rule is not None:
-            raise CheckpointError(
-                f"{checkpoint} holds a {tower_name(config)}, whose processor comes from its own files"
-            )
-        own: ImageProcessor = MoonViTImageProcessor.from_pretrained(checkpoint, **image_overrides)
-        return CheckpointProcessors(own, MoonViTVideoProcessor.from_pretrained(checkpoint))
-    chosen = rule or default
-    if "side_limit_mode" in image_overrides:
+    if default is None and rule is not None:
+        raise CheckpointError(f"{checkpoint} holds a {tower_name(config)}, whose processor comes from its own files")
+    if default is not None and "side_limit_mode" in image_overrides:
         raise CheckpointError(
             f"--side-limit-mode {image_overrides['side_limit_mode']}: a setting of MoonViT's processors; the "
-            f"{tower_name(config)} of {checkpoint} is read by its {chosen} rule, which caps each side by itself"
+            f"{tower_name(config)} of {checkpoint} is read by its {rule or default} rule, which caps each side by "
+            "itself"
         )
     try:
-        image = processor_for(checkpoint, chosen, **image_overrides)
+        image = processor_for(checkpoint, rule or default, **image_overrides)  # default None: the folder's files
     except ValueError as error:  # a rule or setting the family does not have
         raise CheckpointError(str(error)) from error
+    cuts = (image.patch_size, tuple(image.merge_kernel_size))
+    takes = (config.patch_size, tuple(config.merge_kernel_size))
+    if cuts != takes:  # a family whose processor rules are not registered would get another's: refused, not misread
+        why = f" (the {family.name} family names no processor rule yet)" if family and not family.processors else ""
+        raise CheckpointError(
+            f"{checkpoint}: its processor ({type(image).__name__}) cuts {cuts[0]} px patches merged "
+            f"{cuts[1][0]}x{cuts[1][1]}, its {tower_name(config)} takes {takes[0]} px patches merged "
+            f"{takes[1][0]}x{takes[1][1]}{why}"
+        )
+    if isinstance(image, MoonViTImageProcessor):  # a MoonViT folder: its video rule too (K3: 8 fps, its budgets)
+        return CheckpointProcessors(image, MoonViTVideoProcessor.from_pretrained(checkpoint))
     return CheckpointProcessors(image, MoonViTVideoProcessor.for_images(image))

@@ -336,3 +336,36 @@ def test_a_dinov2_transformers_folder_is_read_natively_with_its_normalisation(tm
     assert isinstance(image, NativeViTImageProcessor) and image.patch_size == 8
     assert image.image_mean == pytest.approx((0.485, 0.456, 0.406))
     assert checkpoint_processors(tmp_path, tower.config, rule="dinov2").image.to_dict()["rule"] == "dinov2"
+
+
+def test_a_processor_whose_patches_the_tower_does_not_take_is_refused(tmp_path):
+    """A folder's processor cutting other patches than its tower takes is a CheckpointError naming both,
+    never features of misread pixels: a MoonViT folder with a 16 px processor for its 14 px tower."""
+    from moonvit import CheckpointError, MoonViTImageProcessor
+
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    MoonViTImageProcessor(patch_size=16).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match="cuts 16 px patches merged 2x2, its MoonViT tower takes 14 px patches"):
+        checkpoint_processors(tmp_path, model.config)
+
+
+def test_a_siglip_folder_gets_its_family_s_processor_or_a_named_refusal(tmp_path):
+    """A transformers SigLIP folder is the siglip family's (its config says so): the commands read it by
+    that family's processor, one of the tower's patch size, or refuse it by name; never MoonViT's."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    from moonvit import CheckpointError
+
+    config = SiglipVisionConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8
+    )
+    SiglipVisionModel(config).save_pretrained(tmp_path)
+    tower = ClassicViT.from_pretrained(tmp_path)
+    assert family_of(tower.config) is family_named("siglip") and pooled_kind(tower.config) == "map"
+    try:
+        image = checkpoint_processors(tmp_path, tower.config).image
+    except CheckpointError as error:
+        assert "its SigLIP tower takes 8 px patches merged 1x1" in str(error)
+    else:
+        assert (image.patch_size, image.merge_kernel_size) == (8, (1, 1))
