@@ -260,3 +260,25 @@ def test_a_transformers_dinov2_with_registers_folder_fine_tunes(tmp_path):
     trained = loaded.state_dict()
     assert not torch.equal(source["reg_token"], trained["reg_token"])
     assert not torch.equal(source["blocks.0.ls1.gamma"], trained["blocks.0.ls1.gamma"])
+
+
+def test_a_transformers_siglip2_naflex_folder_fine_tunes_through_its_map_head(tmp_path):
+    """transformers' Siglip2VisionModel (a 4x4 NaFlex table, the MAP head) saved by its save_pretrained loads as the
+    ViT tower and trains packed with the trainer's head on the MAP head's output: the MAP head and the blocks move;
+    the run's checkpoint is the tower's own folder, with the naflex rule."""
+    from transformers import Siglip2VisionConfig, Siglip2VisionModel
+
+    torch.manual_seed(0)
+    config = Siglip2VisionConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, patch_size=16, num_patches=16
+    )
+    Siglip2VisionModel(config).save_pretrained(tmp_path / "siglip2")
+    results = train(*DIGITS, "--objective", "supervised", "--checkpoint", tmp_path / "siglip2", "--steps", "2",
+                    "--out", tmp_path / "run")  # fmt: skip
+    assert "MAP head" in results["encoder"]["shape"] and results["files"][1:] == ["head.safetensors", "head.json"]
+    loaded = assert_loads_back(tmp_path / "run")
+    assert (loaded.config.pool, loaded.config.pos_emb_rule, loaded.config.class_token) == ("map", "naflex", False)
+    source = ClassicViT.from_pretrained(tmp_path / "siglip2").state_dict()
+    trained = loaded.state_dict()
+    for name in ("attn_pool.latent", "attn_pool.mlp.fc1.weight", "blocks.0.attn.qkv.weight"):
+        assert not torch.equal(source[name], trained[name]), name
