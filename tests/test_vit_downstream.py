@@ -111,8 +111,8 @@ def test_both_towers_are_vision_encoders_and_say_their_prefix_tokens(vit, deit):
 def test_a_vit_folder_is_read_at_native_resolution_with_its_patch_size(tmp_path):
     """The commands' rule for a classic ViT folder: the native one, at the tower's patch size and
     the folder's own normalisation (0.5 without a processor file, a DeiT file's ImageNet figures);
-    a folder holding a native rule's file gives that file's settings; MoonViT's side limit mode
-    is refused by name."""
+    a folder holding a native rule's file gives that file's settings (one of another patch size is
+    refused); MoonViT's side limit mode is refused by name."""
     torch.manual_seed(0)
     ClassicViT.from_preset("vit-tiny", patch_size=8, image_size=32).save_pretrained(tmp_path)
     config = ClassicViT.from_pretrained(tmp_path).config
@@ -129,8 +129,12 @@ def test_a_vit_folder_is_read_at_native_resolution_with_its_patch_size(tmp_path)
     assert isinstance(checkpoint_processors(tmp_path, config, rule="deit").image, ClassicViTImageProcessor)
     with pytest.raises(CheckpointError, match="--side-limit-mode resize: a setting of MoonViT's processors"):
         checkpoint_processors(tmp_path, config, side_limit_mode="resize")
-    PROCESSOR.save_pretrained(tmp_path)
-    assert checkpoint_processors(tmp_path, config).image == PROCESSOR
+    own = NativeViTImageProcessor(patch_size=8, in_token_limit=128)
+    own.save_pretrained(tmp_path)
+    assert checkpoint_processors(tmp_path, config).image == own
+    PROCESSOR.save_pretrained(tmp_path)  # 16 px patches for an 8 px tower: refused, not misread
+    with pytest.raises(CheckpointError, match="cuts 16 px patches merged 1x1, its classic ViT / DeiT tower takes 8 px"):
+        checkpoint_processors(tmp_path, config)
 
 
 def test_encode_images_gives_each_image_its_prefix_rows_pooled_row_and_logits(deit, images):
