@@ -29,5 +29,8 @@ register_family(
         read=formats.read,
         build=ClassicViT,
         processors=DINOV2_RULES.names,
+        # native resolution by default (its table resampled per grid, as DINOv2's dense uses run it)
+        default_rule="native",
+        tower_name="DINOv2 tower",
     )
 )
