@@ -435,16 +435,19 @@ def add_side_limit_argument(parser: argparse.ArgumentParser | argparse._Argument
 
 
 def add_image_rule_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """``--image-rule``: which of a checkpoint's processor rules reads the images (a classic ViT / DeiT
-    folder: ``native``, the default, or its checkpoint's fixed ``vit`` / ``deit`` resize; see
-    :func:`moonvit.media.processor_for`); MoonViT folders have one rule, their own."""
+    """``--image-rule``: which of a checkpoint's processor rules reads the images, by the names its family
+    gives (:attr:`Family.processors <moonvit.families.Family.processors>`; see
+    :func:`moonvit.media.processor_for`): a ViT tower's folder ``native`` (its family's default rule,
+    :attr:`Family.default_rule <moonvit.families.Family.default_rule>`) or its checkpoint's own resize
+    (``vit``, ``deit``, ``dinov2``, ``siglip``; SigLIP2's ``naflex``); MoonViT folders have one rule, their own."""
     parser.add_argument(
         "--image-rule",
         default=None,
         metavar="RULE",
-        help="a classic ViT / DeiT folder's processor rule: native (whole patches near each image's own size, "
-        "the default), vit (transformers' ViT resize) or deit (resize and centre crop), each with the folder's "
-        "normalisation (default: native; a MoonViT folder takes its own rule)",
+        help="a ViT tower folder's processor rule, by its family's names: native (whole patches near each image's "
+        "own size) or the checkpoint's own resize (vit, deit, dinov2, siglip; SigLIP2's naflex), each with the "
+        "folder's normalisation (default: the family's default rule, native for ViT, DeiT and DINOv2; a MoonViT "
+        "folder takes its own rule)",
     )
 
 
