@@ -6,7 +6,9 @@ tower of their own:
 
 - :mod:`.config`: the fields they share, their sizes and presets (:func:`siglip_config`);
 - :mod:`.formats`: transformers' ``siglip`` / ``siglip_vision_model`` and ``siglip2`` /
-  ``siglip2_vision_model`` folders and timm's SigLIP folders (config keys, tensor names).
+  ``siglip2_vision_model`` folders and timm's SigLIP folders (config keys, tensor names);
+- :mod:`.processor`: the releases' processors (``siglip``; SigLIP2's ``naflex``) and the
+  native-resolution rule (``native``; SigLIP2's is ``naflex``).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from ..vit import ClassicViT, ClassicViTConfig
 from . import formats
 from .config import PRESETS, SIZES, siglip_config
 from .formats import SiglipLayout
+from .processor import SIGLIP2_RULES, SIGLIP_RULES, NaFlexImageProcessor
 
-__all__ = ["PRESETS", "SIZES", "SiglipLayout", "siglip_config"]
+__all__ = ["PRESETS", "SIGLIP2_RULES", "SIGLIP_RULES", "SIZES", "NaFlexImageProcessor", "SiglipLayout", "siglip_config"]
 
 register_family(
     Family(
@@ -28,7 +31,7 @@ register_family(
         claims=formats.claims_siglip,
         read=formats.read_siglip,
         build=ClassicViT,
-        processors=(),
+        processors=SIGLIP_RULES.names,
         tower_name="SigLIP tower",
     )
 )
@@ -40,7 +43,7 @@ register_family(
         claims=formats.claims_siglip2,
         read=formats.read_siglip2,
         build=ClassicViT,
-        processors=(),
+        processors=SIGLIP2_RULES.names,
         tower_name="SigLIP2 NaFlex tower",
     )
 )
