@@ -19,7 +19,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import ACROSS_SHAPES, randomise_, tiny_model
-from transformers import Dinov2WithRegistersConfig, Dinov2WithRegistersModel, ViTConfig, ViTModel
+from transformers import (
+    Dinov2WithRegistersConfig,
+    Dinov2WithRegistersModel,
+    SiglipVisionConfig,
+    SiglipVisionModel,
+    ViTConfig,
+    ViTModel,
+)
 
 from moonvit.families.vit import ClassicViT
 from moonvit.families.vit.model import ViTBlock
@@ -218,6 +225,33 @@ def test_dinov2_intermediates_match_transformers_hidden_states(tmp_path):
                 torch.testing.assert_close(found.patch_tokens[k], torch.cat([r[3:] for r in expected]), **close)
                 torch.testing.assert_close(found.prefix_tokens[k], torch.stack([r[:3] for r in expected]), **close)
     assert raw.indices == (0, 1, 2, 3)
+
+
+def test_siglip_intermediates_match_transformers_hidden_states(tmp_path):
+    """A transformers ``SiglipVisionModel`` folder read by the siglip family (no prefix tokens):
+    hidden_states[i] (1, h * w, D), ``interpolate_pos_encoding`` for grids other than its native 4 x 4,
+    are block i's patch rows; its ``post_layernorm`` of them is ``norm=True``'s; the prefix rows are empty."""
+    config = SiglipVisionConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8
+    )
+    reference = randomise_(SiglipVisionModel(config).double(), seed=8)
+    reference.set_attn_implementation("sdpa")
+    reference.eval().save_pretrained(tmp_path)
+    model = ClassicViT.from_pretrained(tmp_path).eval()
+    pictures = images(8, seed=9)
+    pixels, grids = pack(pictures, 8)
+    with torch.no_grad():
+        raw = intermediates(model, pixels, grids, indices=(0, 1, 2))
+        normed = intermediates(model, pixels, grids, indices=(0, 1, 2), norm=True)
+        states = [
+            reference(pixel_values=p[None], interpolate_pos_encoding=True, output_hidden_states=True).hidden_states
+            for p in pictures
+        ]
+        for k in range(3):
+            rows = [s[k][0] for s in states]
+            for found, transform in ((raw, lambda x: x), (normed, reference.post_layernorm)):
+                torch.testing.assert_close(found.patch_tokens[k], torch.cat([transform(r) for r in rows]), **CLOSE)
+                assert found.prefix_tokens is not None and found.prefix_tokens[k].shape == (3, 0, 32)
 
 
 # ---- MoonViT --------------------------------------------------------------------------------------------
