@@ -369,3 +369,58 @@ def test_a_siglip_folder_gets_its_family_s_processor_or_a_named_refusal(tmp_path
         assert "its SigLIP tower takes 8 px patches merged 1x1" in str(error)
     else:
         assert (image.patch_size, image.merge_kernel_size) == (8, (1, 1))
+
+
+# ---- transformers' SigLIP, SigLIP2 and DINOv2 folders through the commands -----------------------------
+
+
+def transformers_folder(kind: str, folder: Path) -> Path:
+    """A tiny random transformers vision folder: SiglipVisionModel, Siglip2VisionModel or
+    Dinov2WithRegistersModel (patch 8, a 32 px table)."""
+    from transformers import Siglip2VisionConfig, Siglip2VisionModel, SiglipVisionConfig, SiglipVisionModel
+
+    size = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, patch_size=8)
+    torch.manual_seed(0)
+    if kind == "siglip":
+        model = SiglipVisionModel(SiglipVisionConfig(**size, intermediate_size=64, image_size=32))
+    elif kind == "siglip2":
+        model = Siglip2VisionModel(Siglip2VisionConfig(**size, intermediate_size=64, num_patches=16))
+    else:
+        model = Dinov2WithRegistersModel(Dinov2WithRegistersConfig(**size, image_size=32, num_register_tokens=2))
+    randomise_(model, seed=2, std=0.1).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "kind, rule, pooled, prefix",
+    [("siglip", "native", "map", []), ("siglip2", "naflex", "map", []), ("dinov2", "native", "cls", 3)],
+)
+def test_main_job_and_export_on_transformers_folders(kind, rule, pooled, prefix, images, tmp_path):
+    """Each family's default rule reads the folder (native resolution; SigLIP2's own NaFlex rule); the main
+    job writes the tower's pooled vector (and prefix rows where it has them) as the tower gives them on the
+    same pack; the export stores the same rows (one shard, one pack: the same call)."""
+    folder = transformers_folder(kind, tmp_path / kind)
+    tower = ClassicViT.from_pretrained(folder, dtype=torch.float32).eval()
+    processor = checkpoint_processors(folder, tower.config).image
+    assert type(processor).__name__ == {"native": "NativeViTImageProcessor", "naflex": "NaFlexImageProcessor"}[rule]
+    assert processor.patch_size == 8 and processor.merge_kernel_size == (1, 1)
+    out = tmp_path / "out"
+    summary = run_main(folder, images, out)
+    assert summary["pooled"] == pooled and len(summary["prefix_tokens"]) == (prefix or 0)
+    batch = processor(images)
+    with torch.no_grad():
+        direct_out = one_thread(tower, batch.pixel_values, batch.grid_hws)
+    written = load_file(out / "pooled.safetensors")
+    keys = [entry["image"] for entry in summary["images"]]
+    torch.testing.assert_close(torch.stack([written[k] for k in keys]), direct_out.pooled, rtol=0, atol=0)
+    assert (out / "prefix_tokens.safetensors").exists() == bool(prefix)
+    export = tmp_path / "export"
+    run_export("--inputs", images[0].parent, "--checkpoint", folder, "--out", export, "--store", "merged",
+               "--dtype", "fp32")  # fmt: skip
+    stored = exported(export)
+    torch.testing.assert_close(
+        torch.stack([stored[p.name]["pooled"] for p in images]), direct_out.pooled, rtol=0, atol=0
+    )
+    if prefix:
+        exported_prefix = torch.stack([stored[p.name]["prefix_tokens"] for p in images])
+        torch.testing.assert_close(exported_prefix, direct_out.prefix_tokens, rtol=0, atol=0)

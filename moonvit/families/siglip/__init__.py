@@ -32,6 +32,9 @@ register_family(
         read=formats.read_siglip,
         build=ClassicViT,
         processors=SIGLIP_RULES.names,
+        # native resolution by default (its table resampled per grid, as interpolate_pos_encoding does);
+        # the release's fixed square resize by --image-rule siglip
+        default_rule="native",
         tower_name="SigLIP tower",
     )
 )
@@ -44,6 +47,7 @@ register_family(
         read=formats.read_siglip2,
         build=ClassicViT,
         processors=SIGLIP2_RULES.names,
+        default_rule="naflex",  # its own rule reads each image near its own size and aspect, within a budget
         tower_name="SigLIP2 NaFlex tower",
     )
 )
