@@ -446,8 +446,8 @@ def add_image_rule_argument(parser: argparse.ArgumentParser | argparse._Argument
         metavar="RULE",
         help="a ViT tower folder's processor rule, by its family's names: native (whole patches near each image's "
         "own size) or the checkpoint's own resize (vit, deit, dinov2, siglip; SigLIP2's naflex), each with the "
-        "folder's normalisation (default: the family's default rule, native for ViT, DeiT and DINOv2; a MoonViT "
-        "folder takes its own rule)",
+        "folder's normalisation (default: the family's default rule, native; SigLIP2's naflex; a MoonViT folder "
+        "takes its own rule)",
     )
 
 
