@@ -129,10 +129,10 @@ def test_siglip_at_384_px_and_patch_14_keeps_the_patches_the_convolution_reads(t
     """so400m/14 at 384 px: transformers' 384 x 384 pixels, of which its stride-14 convolution reads
     the top-left 27 x 27 patches (378 px); ours are those patches."""
     theirs = transformers.SiglipImageProcessorPil(size={"height": 384, "width": 384})
-    file = tmp_path / "preprocessor_config.json"
-    theirs.save_pretrained(tmp_path)
-    kind, ours = SIGLIP_RULES.file_types["SiglipImageProcessor"](file, json.loads(file.read_text()), 14)
-    assert kind == "siglip" and isinstance(ours, ClassicViTImageProcessor)
+    ours = processor_for(
+        _saved(tmp_path, theirs, transformers.SiglipVisionConfig(**TINY, patch_size=14, image_size=384))
+    )
+    assert isinstance(ours, ClassicViTImageProcessor) and ours.rule == "siglip"
     assert ours.grid_hw == (27, 27) and ours.plan_image(500, 300).box == (0, 0, 378, 378)
     for height, width in SIZES:
         image = _image(height, width)
