@@ -42,10 +42,11 @@ from transformers import (
 )
 
 from moonvit import CheckpointError, MoonViT
-from moonvit.families import find_family
+from moonvit.families import family_of, find_family
 from moonvit.families.dinov2 import dinov2_config, dinov2_preset, swiglu_hidden_size
 from moonvit.families.vit import ClassicViT
 from moonvit.media.processor import patchify
+from moonvit.model.interface import tower_name
 
 PATCH = 8
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=4, image_size=32, patch_size=PATCH)
@@ -185,6 +186,16 @@ def test_transformers_folders_match_their_models_image_by_image(transformers_fol
         # float64 (the tower keeps a float64 table in float64) agrees to float64's error
         with timm_table_in_float64(reference):
             check_against(f"{name}/{backend}/float64 table", ours, run, 1 + registers, **EXACT)
+
+
+def test_transformers_folders_are_dinov2_towers_also_once_saved_in_the_own_format(transformers_folders, tmp_path):
+    """The family a tower was read as (its default processor rule, its name in messages) survives a save."""
+    for _, folder in transformers_folders.values():
+        ours = MoonViT.from_pretrained(folder)
+        assert (family_of(ours.config).name, tower_name(ours.config)) == ("dinov2", "DINOv2 tower")
+        ours.save_pretrained(tmp_path / folder.name)
+        again = MoonViT.from_pretrained(tmp_path / folder.name)
+        assert family_of(again.config).name == "dinov2"
 
 
 def test_swiglu_width_is_transformers_rule():
@@ -338,6 +349,7 @@ def test_timm_folders_give_the_transformers_models_outputs(transformers_folders,
     assert (config.pos_emb_rule, config.layer_norm_eps, config.grid_side, config.layer_scale) == ("timm", 1e-6, 4, True)
     assert (config.num_register_tokens, config.no_embed_class) == (registers, bool(registers))
     assert config.num_table_prefix_rows == (0 if registers else 1)
+    assert (family_of(config).name, tower_name(config)) == ("dinov2", "DINOv2 tower")
     assert config.mlp_type == ("swiglu" if "swiglu" in name else "mlp")
     assert config.intermediate_size == (176 if "swiglu" in name else 256)
 

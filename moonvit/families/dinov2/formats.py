@@ -143,6 +143,7 @@ def _read_transformers(
         num_register_tokens=registers,
         pool="token",
         pos_emb_rule=_TABLE_RULES[model_type],
+        family="dinov2",
     )
     in_memory = any(name.endswith(".attention.q_proj.weight") for name in names)
     split_mlp = any(name.endswith(".mlp.gate_proj.weight") for name in names)
@@ -300,5 +301,6 @@ def _read_timm(values: dict[str, Any], where: Path, names: Collection[str]) -> t
         layer_scale_init=float(init_values or 1e-5),
         pool="token",
         pos_emb_rule="timm",
+        family="dinov2",
     )
     return config, ViTLayout("timm", "")
