@@ -136,6 +136,29 @@ def _siglip_timm(tmp: Path) -> dict[str, Any]:
     }
 
 
+def _paligemma(tmp: Path) -> dict[str, Any]:
+    from transformers import PaliGemmaConfig
+
+    return PaliGemmaConfig().to_dict()  # its vision_config a SigLIP vision model's, without the head
+
+
+def _gemma3(tmp: Path) -> dict[str, Any]:
+    from transformers import Gemma3Config
+
+    return Gemma3Config().to_dict()
+
+
+def _pi0_transformers(tmp: Path) -> dict[str, Any]:
+    from transformers import PI0Config
+
+    return PI0Config().to_dict()  # PaliGemma's config as its vlm_config
+
+
+def _pi0_lerobot(tmp: Path) -> dict[str, Any]:
+    # LeRobot's policy config.json: the policy's "type", no model_type, no tower keys
+    return {"type": "pi05", "paligemma_variant": "gemma_2b", "chunk_size": 50, "image_resolution": [224, 224]}
+
+
 def _siglip2_vision(tmp: Path) -> dict[str, Any]:
     from transformers import Siglip2VisionConfig
 
@@ -156,7 +179,7 @@ EXAMPLES: dict[str, list[Callable[[Path], dict[str, Any]]]] = {
     "kimi-k3": [_kimi_k3],
     "locateanything": [_locateanything],
     "classic-vit": [_vit_transformers, _deit_transformers, _vit_timm, _vit_own],
-    "siglip": [_siglip_vision, _siglip_full, _siglip_timm],
+    "siglip": [_siglip_vision, _siglip_full, _siglip_timm, _paligemma, _gemma3, _pi0_transformers, _pi0_lerobot],
     "siglip2": [_siglip2_vision, _siglip2_full],
     "dinov2": [_dinov2_transformers, _dinov2_registers_transformers, _dinov2_timm, _dinov2_registers_timm],
 }

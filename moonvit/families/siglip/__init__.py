@@ -6,7 +6,8 @@ tower of their own:
 
 - :mod:`.config`: the fields they share, their sizes and presets (:func:`siglip_config`);
 - :mod:`.formats`: transformers' ``siglip`` / ``siglip_vision_model`` and ``siglip2`` /
-  ``siglip2_vision_model`` folders and timm's SigLIP folders (config keys, tensor names);
+  ``siglip2_vision_model`` folders, the SigLIP tower inside PaliGemma, Gemma 3 and π0 folders
+  (transformers' and LeRobot's), and timm's SigLIP folders (config keys, tensor names);
 - :mod:`.processor`: the releases' processors (``siglip``; SigLIP2's ``naflex``) and the
   native-resolution rule (``native``; SigLIP2's is ``naflex``).
 """
@@ -26,6 +27,7 @@ register_family(
     Family(
         name="siglip",
         description="SigLIP: transformers' siglip / siglip_vision_model folders (SiglipModel's vision half), "
+        "the SigLIP tower of paligemma / gemma3 / pi0 folders and LeRobot's pi0 / pi05 / pi0_fast policies, "
         "timm's vit_*_siglip_* architectures",
         config_type=ClassicViTConfig,
         claims=formats.claims_siglip,

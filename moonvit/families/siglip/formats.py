@@ -22,6 +22,19 @@
   architecture's GELU as timm builds it (tanh for some, exact for the others); the table resampled by
   timm's rule.
 
+- **SigLIP towers inside VLM / VLA folders**: transformers' ``paligemma`` (PaliGemma 1 and 2) and
+  ``gemma3`` (Gemma 3), whose ``vision_config`` is a ``siglip_vision_model``'s; transformers' ``pi0``
+  (``PI0ForConditionalGeneration``: its ``vlm_config`` is PaliGemma's); and LeRobot's π0 / π0.5 / π0-FAST
+  policy folders (``"type"`` ``pi0`` / ``pi05`` / ``pi0_fast``, no ``model_type``), whose tower is
+  PaliGemma's so400m/14 without the head, built in code from ``image_resolution`` (π0-FAST: 224 px); an
+  optional ``vision_config`` there (this package's key, not LeRobot's) gives other sizes. Only the vision
+  tower's tensors are read, found by their names: ``vision_tower.vision_model.*`` as the hub and
+  transformers 4 store them, ``vision_tower.*`` as transformers 5's ``save_pretrained`` writes them (and
+  either under ``model.``, or under LeRobot's ``[model.]paligemma_with_expert.paligemma.[model.]``). The
+  language model, the action expert and the multimodal projector (PaliGemma's ``multi_modal_projector.
+  linear``; Gemma 3's ``mm_soft_emb_norm`` and ``mm_input_projection_weight`` after its 4 x 4 average
+  pool) are never read.
+
 ``vision_use_head: false`` (PaliGemma's tower) builds no head: ``pooled`` is then the mean of the patch
 rows (``pool "avg"``), as for timm's ``_gap`` towers. This package's own folders of these towers are
 classic-ViT folders (``model_type "classic_vit"``), read by that family.
@@ -39,13 +52,18 @@ from typing import Any
 import torch
 
 from ...weights.config_keys import warn_unread_keys
-from ...weights.formats import TensorSource
+from ...weights.formats import TensorLayoutError, TensorSource
 from ..vit.config import ClassicViTConfig
 from ..vit.formats import _input_size, _single
 from .config import SIGLIP_FIELDS, SIZES, sized
 
 SIGLIP_TYPES = ("siglip", "siglip_vision_model")
 SIGLIP2_TYPES = ("siglip2", "siglip2_vision_model")
+VLM_TYPES = ("paligemma", "gemma3", "pi0")
+"""transformers' model types whose vision tower is a ``SiglipVisionModel`` (``pi0``: inside its PaliGemma
+``vlm_config``); SmolVLM / Idefics3 name their tower otherwise and are not read."""
+LEROBOT_TYPES = ("pi0", "pi05", "pi0_fast")
+"""LeRobot's policy types (its ``"type"`` key) whose tower is PaliGemma's."""
 
 # Keys of a transformers SigLIP / SigLIP2 vision config this package reads, and those that change nothing here.
 _TRANSFORMERS_KEYS = {
@@ -53,6 +71,8 @@ _TRANSFORMERS_KEYS = {
     "hidden_act", "layer_norm_eps", "vision_use_head",
 }  # fmt: skip
 _TRANSFORMERS_IGNORED = {"attention_dropout", "initializer_range", "initializer_factor"}
+# Keys a VLM's vision_config carries for the model around the tower (its projector's width, its image tokens)
+_VLM_VISION_IGNORED = {"projection_dim", "projector_hidden_act", "num_image_tokens", "vocab_size"}
 # transformers' activation names -> the tower's (gelu_new is the same tanh approximation, written out)
 _ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
 # transformers' SiglipVisionConfig defaults where they differ from ClassicViTConfig's
@@ -83,8 +103,9 @@ _TIMM_MLP_RATIO = {"so400m": 3.7362}  # the others: 4
 
 def claims_siglip(values: dict[str, Any]) -> bool:
     """Whether a ``config.json`` is a SigLIP tower's: transformers' ``siglip`` / ``siglip_vision_model``,
-    or a timm SigLIP architecture."""
-    if values.get("model_type") in SIGLIP_TYPES:
+    a VLM of :data:`VLM_TYPES` (whatever its ``vision_config``: one that is not SigLIP's is refused by
+    name when read), a LeRobot π0 policy, or a timm SigLIP architecture."""
+    if values.get("model_type") in SIGLIP_TYPES + VLM_TYPES or _is_lerobot(values):
         return True
     architecture = values.get("architecture")
     return "vision_config" not in values and isinstance(architecture, str) and bool(_TIMM_ARCH.match(architecture))
@@ -96,7 +117,9 @@ def claims_siglip2(values: dict[str, Any]) -> bool:
 
 
 def read_siglip(values: dict[str, Any], where: Path, names: Collection[str]) -> tuple[ClassicViTConfig, SiglipLayout]:
-    """The tower's config and tensor layout of a SigLIP folder, transformers' or timm's."""
+    """The tower's config and tensor layout of a SigLIP folder: transformers', a VLM's or VLA's, or timm's."""
+    if values.get("model_type") in VLM_TYPES or _is_lerobot(values):
+        return _read_vlm(values, where, names)
     if values.get("model_type") not in SIGLIP_TYPES:
         return _read_timm(values, where)
     return _read_transformers(values, where, names, naflex=False)
@@ -114,8 +137,22 @@ def _read_transformers(
     vision = values.get("vision_config", {}) if full else values
     if not isinstance(vision, dict):
         raise ValueError(f"vision_config is a {type(vision).__name__}, not an object")
+    config = _transformers_config(vision, where, naflex)
+    # A full model's vision half, and the hub's SiglipVisionModel, sit under vision_model.; transformers 5
+    # writes a SiglipVisionModel unprefixed. Only a full model's tensors are filtered by the prefix.
+    base = "vision_model." if full or any(name.startswith("vision_model.") for name in names) else ""
+    kind = "naflex" if naflex else "transformers"
+    return config, SiglipLayout(kind, base if full else "", base, config.patch_size, config.num_channels)
+
+
+def _transformers_config(
+    vision: dict[str, Any], where: Path, naflex: bool, also_ignored: Collection[str] = ()
+) -> ClassicViTConfig:
+    """The tower config of a transformers SigLIP (``naflex``: SigLIP2) vision config's keys."""
     warn_unread_keys(
-        where, vision, _TRANSFORMERS_KEYS | _TRANSFORMERS_IGNORED | {"num_patches" if naflex else "image_size"}
+        where,
+        vision,
+        _TRANSFORMERS_KEYS | _TRANSFORMERS_IGNORED | {"num_patches" if naflex else "image_size", *also_ignored},
     )
     fields: dict[str, Any] = {key: vision.get(key, default) for key, default in _DEFAULTS.items()}
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels"):
@@ -136,7 +173,7 @@ def _read_transformers(
     head = vision.get("vision_use_head", True)
     if not isinstance(head, bool):
         raise ValueError(f"vision_use_head must be true or false, got {head!r}")
-    config = ClassicViTConfig(
+    return ClassicViTConfig(
         **{
             **SIGLIP_FIELDS,
             **fields,
@@ -146,11 +183,97 @@ def _read_transformers(
             "family": "siglip2" if naflex else "siglip",
         }
     )
-    # A full model's vision half, and the hub's SiglipVisionModel, sit under vision_model.; transformers 5
-    # writes a SiglipVisionModel unprefixed. Only a full model's tensors are filtered by the prefix.
-    base = "vision_model." if full or any(name.startswith("vision_model.") for name in names) else ""
-    kind = "naflex" if naflex else "transformers"
-    return config, SiglipLayout(kind, base if full else "", base, config.patch_size, config.num_channels)
+
+
+# ---- SigLIP towers inside VLM / VLA folders ------------------------------------------------------
+
+# PaliGemma's tower as LeRobot's π0 policies build it in code (PaliGemmaConfig's vision defaults, with
+# intermediate_size 4304 set by the policy): so400m/14 without the MAP head.
+_LEROBOT_VISION: dict[str, Any] = dict(
+    hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16, patch_size=14,
+    image_size=224, vision_use_head=False,
+)  # fmt: skip
+# A vision tower's tensor root: whatever stands before vision_tower. (nothing, model., model.vlm., LeRobot's
+# paligemma_with_expert.paligemma.[model.]), then vision_model. where the hub and transformers 4 keep it.
+_TOWER_ROOT = re.compile(
+    r"^((?:[\w.]*?\.)?vision_tower\.(?:vision_model\.)?)(?:embeddings|encoder|post_layernorm|head)\."
+)
+# The root a folder whose tensor names are not known yet is fetched by (the hub's names start with it)
+_DEFAULT_ROOT = {"vlm": "vision_tower.", "pi0": "paligemma_with_expert.paligemma.model.vision_tower."}
+
+
+def _is_lerobot(values: dict[str, Any]) -> bool:
+    """A LeRobot π0 / π0.5 / π0-FAST policy's ``config.json`` (draccus writes the policy's ``"type"``)."""
+    return "model_type" not in values and values.get("type") in LEROBOT_TYPES
+
+
+def _read_vlm(values: dict[str, Any], where: Path, names: Collection[str]) -> tuple[ClassicViTConfig, SiglipLayout]:
+    """The SigLIP tower of a PaliGemma, Gemma 3 or π0 folder (transformers' or LeRobot's); only its tensors read."""
+    model_type = values.get("model_type")
+    if model_type is None:  # LeRobot's policy: the tower is built in code, not described in config.json
+        vision = _lerobot_vision(values)
+        label, default = f"LeRobot {values['type']} policy", _DEFAULT_ROOT["pi0"]
+    else:
+        vision = _vlm_vision(values, model_type)
+        label, default = f"model_type {model_type!r}", _DEFAULT_ROOT["pi0" if model_type == "pi0" else "vlm"]
+    tower = vision.get("model_type", "siglip_vision_model")
+    if tower != "siglip_vision_model":
+        raise ValueError(
+            f"{label}: vision_config model_type {tower!r} is not a SigLIP vision model's ('siglip_vision_model'); "
+            "only SigLIP towers are read from these folders"
+        )
+    config = _transformers_config(vision, where, naflex=False, also_ignored=_VLM_VISION_IGNORED)
+    root = _tower_root(names, default, label)
+    return config, SiglipLayout("transformers", root, root, config.patch_size, config.num_channels)
+
+
+def _vlm_vision(values: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """A transformers VLM's ``vision_config`` (π0's inside its PaliGemma ``vlm_config``)."""
+    holder: Any = values
+    if model_type == "pi0":
+        holder = values.get("vlm_config")
+        if not isinstance(holder, dict):
+            raise ValueError(f"model_type 'pi0': vlm_config (its PaliGemma config) is {holder!r}, not an object")
+    vision = holder.get("vision_config")
+    if not isinstance(vision, dict):
+        found = "missing" if vision is None else f"a {type(vision).__name__}, not an object"
+        raise ValueError(f"model_type {model_type!r}: vision_config (the SigLIP tower's keys) is {found}")
+    return vision
+
+
+def _lerobot_vision(values: dict[str, Any]) -> dict[str, Any]:
+    """A LeRobot π0 policy's tower keys: PaliGemma's so400m/14 at ``image_resolution[0]`` px (π0-FAST's
+    tower keeps 224), ``vision_config`` (this package's key) overriding."""
+    vision = dict(_LEROBOT_VISION)
+    resolution = values.get("image_resolution")
+    if resolution is not None and values["type"] != "pi0_fast":  # LeRobot builds the table from the first side
+        if not (isinstance(resolution, list | tuple) and len(resolution) == 2):
+            raise ValueError(f"image_resolution {resolution!r} is not a [height, width] pair")
+        vision["image_size"] = resolution[0]
+    override = values.get("vision_config", {})
+    if not isinstance(override, dict):
+        raise ValueError(f"vision_config is a {type(override).__name__}, not an object")
+    return {**vision, **override}
+
+
+def _tower_root(names: Collection[str], default: str, label: str) -> str:
+    """What the vision tower's tensor names start with, found from the folder's names (``default`` where
+    none are known yet: a hub repository before its index is fetched).
+
+    Raises:
+        TensorLayoutError: no vision tower among the names, or several (each root named).
+    """
+    roots = sorted({match[1] for name in names if "vision_tower." in name and (match := _TOWER_ROOT.match(name))})
+    if len(roots) > 1:
+        raise TensorLayoutError(f"{label}: tensors of several vision towers, under {', '.join(roots)}; one expected")
+    if roots:
+        return roots[0]
+    if len(names):
+        raise TensorLayoutError(
+            f"{label}: no SigLIP vision tower among its tensors (names such as "
+            f"{default}[vision_model.]embeddings.patch_embedding.weight)"
+        )
+    return default
 
 
 def _read_timm(values: dict[str, Any], where: Path) -> tuple[ClassicViTConfig, SiglipLayout]:
