@@ -153,7 +153,8 @@ def fetch_encoder_files(snapshot: HubSnapshot) -> None:
     # Before the index is here, the layout of a Kimi family is not known: fetch any tower tensor.
     # A registered family's layout names its own prefix ("" for all: a ViT's head sits outside its tower).
     if not isinstance(layout, TowerLayout):
-        snapshot.tensors(layout.prefix)
+        prefix = layout.prefix  # one prefix, or several (OpenVLA's backbone and projector)
+        snapshot.tensors(*(prefix if isinstance(prefix, tuple) else (prefix,)))
     else:
         snapshot.tensors(*(("",) if layout.name == "own" else TOWER_PREFIXES))
 
