@@ -10,6 +10,11 @@ beside them: ``pooled.safetensors`` (the CLS row after the final norm; SigLIP's 
 ``prefix_tokens.safetensors`` (CLS, then DeiT's distillation token or DINOv2's registers; no file for a
 tower without prefix tokens, as SigLIP), ``logits.safetensors`` where the folder has a head;
 ``summary.json`` says what ``pooled`` is and names the prefix rows. Such a tower takes images only.
+
+An OpenVLA / Prismatic folder (the fused DINOv2 + SigLIP backbone) runs by its ``openvla`` rule
+(Prismatic's ``image_resize_strategy``, 16 x 16 patches at 224 px): ``merged.safetensors`` holds each
+image's (n, 1, 2176) features (DINOv2's 1024, then SigLIP's 1152), and ``projected.safetensors`` its
+(n, T) LLM tokens through the projector the folder holds (``summary.json``'s ``projected`` gives T).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from .cli import (
     output_dir,
     torch_dtype,
 )
-from .encode import checkpoint_processors, iter_encode_images
+from .encode import EncodedImage, checkpoint_processors, iter_encode_images
 from .files import atomic_path, files_below, save_safetensors_atomic, skipped_line, write_text_atomic
 from .media.image import IMAGE_EXTENSIONS, ImageInput, ImageLoadError, image_size
 from .media.presets import describe_processors, preset_processors
@@ -46,7 +51,7 @@ from .media.video import VIDEO_EXTENSIONS, VideoFrames, VideoSource, probe_video
 from .model.attention import resolve_attn_implementation
 from .model.config import PRESETS
 from .model.encoder import MoonViT
-from .model.interface import pooled_kind, prefix_token_names
+from .model.interface import pooled_kind, prefix_token_names, tower_projection
 from .names import path_keys, path_record, unique_names
 
 
@@ -292,6 +297,7 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> None:
         "prefix_tokens": [r.prefix_tokens for r in results],
         "pooled": [r.pooled for r in results],
         "logits": [r.logits for r in results],
+        "projected": projected_tokens(encoder, results),  # a tower that carries its projector (OpenVLA's)
     }
     extra = []
     for name, rows in per_image.items():
@@ -305,14 +311,27 @@ def run(args: argparse.Namespace, written: list[Path] | None = None) -> None:
     if pooled_kind(encoder.config) is not None:  # a ViT tower: what its pooled vector is, what its prefix rows are
         record["pooled"] = pooled_kind(encoder.config)
         record["prefix_tokens"] = list(prefix_token_names(encoder.config))
+    if per_image["projected"][0] is not None:  # the width of the LLM tokens of the tower's own projector
+        record["projected"] = {"shape": ["tokens", per_image["projected"][0].shape[-1]]}
     write_text_atomic(args.out / "summary.json", json.dumps({**record, "images": summary}, indent=2) + "\n")
     written.append(args.out / "summary.json")
     per_token = encoder.config.tokens_per_merge
     print(f"merged tokens (n, {per_token}, D) per image written to {args.out / 'merged.safetensors'}")
     if extra:
-        shapes = {"prefix_tokens": "(n_prefix, D)", "pooled": "(D,)", "logits": "(classes,)"}
+        shapes = {"prefix_tokens": "(n_prefix, D)", "pooled": "(D,)", "logits": "(classes,)", "projected": "(n, T)"}
         what = ", ".join(f"{Path(name).stem} {shapes[Path(name).stem]}" for name in extra)
         print(f"per image also {what}, in {', '.join(extra)}")
+
+
+def projected_tokens(encoder: MoonViT, results: list[EncodedImage]) -> list[torch.Tensor | None]:
+    """Each result's LLM tokens (n, T) through the projector the tower carries itself (OpenVLA's fused
+    backbone: Prismatic's MLP); Nones for a tower without one (a MoonViT folder's projector is a module of
+    its own, which the export reads; a ViT tower has none)."""
+    projection = tower_projection(encoder)
+    if projection is None:
+        return [None] * len(results)
+    with torch.no_grad():
+        return [projection(result.tokens.to(encoder.device)).cpu() for result in results]
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ from moonvit.files import save_safetensors_atomic, write_text_atomic
 from moonvit.media.image import ImageInput
 from moonvit.model.attention import resolve_attn_implementation
 from moonvit.model.features import Intermediates, read_intermediates
-from moonvit.model.interface import has_class_token, pooled_kind, tower_name
+from moonvit.model.interface import gives_hidden_states, has_class_token, pooled_kind, tower_name
 from moonvit.runs import compute_facts
 
 from .datasets import Split
@@ -274,13 +274,13 @@ def view_hidden_states(views: Iterable[str], num_blocks: int) -> tuple[int, ...]
 
 def available_views(model: VisionEncoder, last_blocks: int = 1) -> tuple[str, ...]:
     """The encoder views ``model`` can give (their :func:`view_name` for ``last_blocks``): ``last4``
-    needs 4 blocks, ``cls`` and ``both`` a class token (and ``last_blocks`` blocks), ``pooled`` a tower
-    that pools."""
+    needs 4 blocks whose hidden states the forward gives, ``cls`` and ``both`` a class token (and
+    ``last_blocks`` blocks), ``pooled`` a tower that pools."""
     config = model.config
     return tuple(
         view_name(view, last_blocks if view in CLASS_TOKEN_VIEWS else 1)
         for view in ENCODER_VIEWS
-        if (view != "last4" or config.num_hidden_layers >= 4)
+        if (view != "last4" or (config.num_hidden_layers >= 4 and gives_hidden_states(config)))
         and (view not in CLASS_TOKEN_VIEWS or (has_class_token(config) and config.num_hidden_layers >= last_blocks))
         and (view != "pooled" or pooled_kind(config) is not None)
     )
@@ -311,6 +311,12 @@ def missing_view_reason(model: VisionEncoder, view: str) -> str:
         return (
             f"--features pooled reads the tower's pooled output, and this encoder ({_what(config)}) gives none: "
             f"choose mean, the mean of its patch tokens, or another of the views it gives ({given})"
+        )
+    if not gives_hidden_states(config):
+        return (
+            f"--features {view} reads the last 4 blocks' hidden states, and this encoder ({_what(config)}) gives "
+            f"none (its features are its towers' second-to-last blocks'): choose mean, the mean of its patch "
+            f"tokens, or another of the views it gives ({given})"
         )
     return (
         f"--features {view} needs an encoder of at least 4 blocks; this one has {config.num_hidden_layers} "

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from moonvit import MoonViT
 from moonvit.cli import ArgumentParser, add_checkpoint_argument, exit_on, output_file, positive_int
 from moonvit.families.vit import ClassicViT
+from moonvit.model.interface import tower_name
 
 __all__ = [
     "grid_table",
@@ -176,6 +177,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with exit_on(parser):
         encoder = MoonViT.from_pretrained(args.checkpoint, dtype=torch.float32)
+    if not isinstance(encoder, (MoonViT, ClassicViT)):  # OpenVLA's fused backbone: a table per tower
+        parser.error(
+            f"--checkpoint {args.checkpoint} holds a {tower_name(encoder.config)}, not one tower with one position "
+            "table; draw a tower's with save_position_similarity(encoder.featurizer.position_table(rows, cols), ...)"
+        )
     if args.grid:
         table = resampled_table(encoder, *args.grid)
         shape = f"resampled to {args.grid[0]}x{args.grid[1]}"

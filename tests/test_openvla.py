@@ -27,7 +27,6 @@ from moonvit import CheckpointError, MoonViT
 from moonvit.families import find_family
 from moonvit.families.openvla import FusedBackbone, FusedBackboneConfig, timm_tower
 from moonvit.families.vit import ClassicViT
-from moonvit.media import processor_for
 from moonvit.weights.checkpoint import read_config
 
 PATCH, SIDE, TEXT = 4, 4, 40
@@ -446,9 +445,3 @@ def test_bad_inputs_are_named():
         FusedBackbone(tiny_config(text=None)).project(torch.randn(6, 80))
     with pytest.raises(ValueError, match="each tower takes RGB"):
         FusedBackboneConfig(featurizer=dataclasses.replace(tiny_config().featurizer, num_channels=6))
-
-
-def test_the_processor_is_refused_by_name_until_one_is_built(tmp_path):
-    folder = write_openvla_folder(tmp_path / "openvla")
-    with pytest.raises(ValueError, match=r"fused backbone has no processor here yet.*\(L, 6, p, p\)"):
-        processor_for(folder)

@@ -168,8 +168,8 @@ class ImageBatch:
     """The processor's output for N images holding L patches in total.
 
     Attributes:
-        pixel_values: (L, 3, p, p) float32, normalised; each image's patches in raster order,
-            images concatenated.
+        pixel_values: (L, C, p, p) float32, normalised (C = 3; 6 for OpenVLA's fused processor: each
+            tower's RGB); each image's patches in raster order, images concatenated.
         grid_hws: (N, 2) int64, patch rows and columns of each image.
     """
 
@@ -191,7 +191,8 @@ class ImageProcessor(Protocol):
         patch_size: patch side p in pixels.
         merge_kernel_size: (rows, cols) of patches the tower merges into one token ((1, 1): none).
         in_token_limit: the patch budget per image (a fixed-size rule: the patches every image gives).
-        image_mean, image_std: the per-channel normalisation.
+        image_mean, image_std: the per-channel normalisation, one value per channel of its
+            ``pixel_values`` (3; 6 for OpenVLA's fused backbone: each tower's RGB).
     """
 
     @property
@@ -201,9 +202,9 @@ class ImageProcessor(Protocol):
     @property
     def in_token_limit(self) -> int: ...
     @property
-    def image_mean(self) -> tuple[float, float, float]: ...
+    def image_mean(self) -> tuple[float, ...]: ...
     @property
-    def image_std(self) -> tuple[float, float, float]: ...
+    def image_std(self) -> tuple[float, ...]: ...
 
     def plan_image(self, width: int, height: int, *, in_token_limit: int | None = None) -> ImagePlan:
         """An image's geometry and patch grid from its size alone (``in_token_limit``: another budget)."""
@@ -214,17 +215,18 @@ class ImageProcessor(Protocol):
         ...
 
     def render(self, image: Image.Image, plan: ImagePlan) -> torch.Tensor:
-        """The RGB image resized / padded / cropped as ``plan`` says: (3, rows * p, cols * p) uint8."""
+        """The RGB image resized / padded / cropped as ``plan`` says: (C, rows * p, cols * p) uint8 (3
+        channels; OpenVLA's fused processor stacks each tower's copy, 6)."""
         ...
 
     def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
-        """uint8 (..., 3, p, p) -> float32 normalised pixels."""
+        """uint8 (..., C, p, p) -> float32 normalised pixels."""
         ...
 
     def __call__(
         self, images: ImageInput | Iterable[ImageInput], *, in_token_limit: int | Sequence[int | None] | None = None
     ) -> ImageBatch:
-        """Images -> ``pixel_values`` (L, 3, p, p) float32 and ``grid_hws`` (N, 2) int64."""
+        """Images -> ``pixel_values`` (L, C, p, p) float32 and ``grid_hws`` (N, 2) int64."""
         ...
 
     def to_images(self, pixel_values: torch.Tensor, grid_hws: torch.Tensor) -> list[torch.Tensor]:
@@ -247,7 +249,8 @@ def process_images(
 ) -> ImageBatch:
     """Any processor's ``__call__``: each image decoded, planned (``in_token_limit``: one budget, or one
     per image, None meaning the processor's own), rendered and cut into patches, one image at a time;
-    then normalised. ``pixel_values`` (L, 3, p, p) float32 and ``grid_hws`` (N, 2) int64.
+    then normalised. ``pixel_values`` (L, C, p, p) float32 (C: the processor's channels, 3, or 6 for
+    OpenVLA's fused backbone) and ``grid_hws`` (N, 2) int64.
 
     Raises:
         ImageLoadError: an input cannot be read as an image.
@@ -266,8 +269,8 @@ def process_images(
         plan = processor.plan_image(*image.size, in_token_limit=limit)
         patches.append(patchify(processor.render(image, plan), processor.patch_size))
         grids.append(plan.grid_hw)
-    p = processor.patch_size
-    pixels = torch.cat(patches) if patches else torch.empty((0, 3, p, p), dtype=torch.uint8)
+    p, channels = processor.patch_size, len(processor.image_mean)
+    pixels = torch.cat(patches) if patches else torch.empty((0, channels, p, p), dtype=torch.uint8)
     return ImageBatch(processor.normalize(pixels), torch.tensor(grids, dtype=torch.int64).reshape(-1, 2))
 
 

@@ -10,6 +10,8 @@ What differs between the families is read through the config and the output, nev
 
 - ``config.merge_kernel_size``: (2, 2) for MoonViT (``merged`` is (S / 4, 4, D)), (1, 1) for the
   classic ViT (``merged`` is (L, 1, D): each patch one token);
+- :func:`tower_projection`: the projector to LLM tokens a tower carries itself (OpenVLA's fused
+  backbone holds Prismatic's; MoonViT's is a module of its own, a ViT tower has none);
 - :func:`prefix_token_count`: the prefix tokens each item carries (0 for MoonViT and a SigLIP-like
   tower, 1 for a ViT's CLS token, 2 for DeiT's CLS and distillation tokens, 1 + R for DINOv2's CLS
   and R registers), named by :func:`prefix_token_names`; the ViT tower fills the output's
@@ -21,7 +23,7 @@ What a message calls a tower (:func:`tower_name`) is its family's (:func:`moonvi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -34,11 +36,13 @@ if TYPE_CHECKING:
 __all__ = [
     "EncoderConfig",
     "VisionEncoder",
+    "gives_hidden_states",
     "has_class_token",
     "pooled_kind",
     "prefix_token_count",
     "prefix_token_names",
     "tower_name",
+    "tower_projection",
 ]
 
 
@@ -153,3 +157,30 @@ def tower_name(config: EncoderConfig) -> str:
     if family is None:
         return "vision tower"
     return family.tower_name or f"{family.name} tower"
+
+
+def gives_hidden_states(config: EncoderConfig) -> bool:
+    """Whether the tower's forward gives its blocks' hidden states (``hidden_state_indices``): every
+    tower but OpenVLA's fused backbone, whose output is its two towers' second-to-last-block features
+    (its config's ``gives_hidden_states`` False)."""
+    return bool(getattr(config, "gives_hidden_states", True))
+
+
+def tower_projection(encoder: VisionEncoder) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The projector to LLM tokens that ``encoder`` carries itself, as a function of its merged tokens
+    (n, 1, D) -> (n, T), in the projector's dtype: OpenVLA's fused backbone, whose folder holds Prismatic's
+    projector beside the towers (its ``project``, the config's ``text_hidden_size`` T). None for a tower
+    without one: MoonViT's projector is a module of its own
+    (:class:`~moonvit.model.projector.MoonViTProjector`, read from the folder apart), a ViT tower has none,
+    and a fused backbone saved without its projector (``text_hidden_size`` None) neither."""
+    project = getattr(encoder, "project", None)
+    width = getattr(encoder.config, "text_hidden_size", None)
+    if not callable(project) or not isinstance(width, int) or encoder.config.tokens_per_merge != 1:
+        return None
+
+    def projection(merged: torch.Tensor) -> torch.Tensor:
+        if merged.ndim != 3 or merged.shape[1] != 1:
+            raise ValueError(f"the tower's projector takes merged tokens (n, 1, D), got {tuple(merged.shape)}")
+        return project(merged[:, 0])
+
+    return projection

@@ -4,16 +4,19 @@ Any registered tower exports: MoonViT (merged 2x2 groups, a projector in its fol
 tower (ViT, DeiT, SigLIP, DINOv2: each patch one token, no merger; its prefix rows and pooled vector
 stored per image). A ViT folder holds no projector: its tokens export as ``--store merged``, or
 projected by a projector read with ``--projector-from`` that takes its width and one patch per token.
+OpenVLA's fused backbone carries its projector (Prismatic's MLP, read with the towers): its features
+(n, 1, 2176) export as ``merged``, its LLM tokens as ``projected`` (:class:`TowerProjector`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -21,13 +24,40 @@ from moonvit import ImageProcessor, MoonViT, VisionEncoder
 from moonvit.encode import checkpoint_processors
 from moonvit.media.video import MoonViTVideoProcessor
 from moonvit.model.attention import resolve_attn_implementation
-from moonvit.model.interface import pooled_kind, prefix_token_count, tower_name
+from moonvit.model.interface import pooled_kind, prefix_token_count, tower_name, tower_projection
 from moonvit.weights.checkpoint import CheckpointError, update_weights_digest
 
 from ..model import MoonViTProjector
 from .settings import ExportError
 
-__all__ = ["Models", "load_models"]
+__all__ = ["Models", "TowerProjector", "load_models"]
+
+
+@dataclass(frozen=True)
+class TowerProjectorConfig:
+    """What ``run.json`` records of a :class:`TowerProjector`: whose it is and its widths (its weights are
+    the encoder's, hashed with them)."""
+
+    tower: str
+    vision_hidden_size: int
+    text_hidden_size: int
+    source: str = "the encoder's own"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class TowerProjector:
+    """The projector a tower carries itself (OpenVLA's fused backbone: Prismatic's MLP), called on merged
+    tokens (n, 1, D) -> (n, T) as :class:`MoonViTProjector` is (see
+    :func:`~moonvit.model.interface.tower_projection`); on the encoder's device and dtype."""
+
+    projection: Callable[[torch.Tensor], torch.Tensor]
+    config: TowerProjectorConfig
+
+    def __call__(self, merged: torch.Tensor) -> torch.Tensor:
+        return self.projection(merged)
 
 
 @dataclass
@@ -35,7 +65,7 @@ class Models:
     """The encoder, the projector (None when only merged tokens are stored) and the processor."""
 
     encoder: VisionEncoder
-    projector: MoonViTProjector | None
+    projector: MoonViTProjector | TowerProjector | None
     processor: ImageProcessor
     video_processor: MoonViTVideoProcessor
     checkpoint_sha256: str
@@ -70,7 +100,9 @@ def load_models(
     """Load the checkpoint (a folder or hub id) and hash the weights as read (before the cast to ``dtype``);
     the encoder runs on attention backend ``attn`` (whether it can run on ``device`` is
     :meth:`Models.attention`'s check). The projector, where ``store`` holds projected tokens, comes from
-    ``projector_from`` when given (a folder or hub id), else from the checkpoint; its weights are hashed too."""
+    ``projector_from`` when given (a folder or hub id), else from the checkpoint; its weights are hashed too.
+    A tower that carries its projector (OpenVLA's fused backbone) projects with it where no
+    ``projector_from`` is given: its weights are the encoder's, already hashed."""
     digest = hashlib.sha256()
     try:
         encoder = MoonViT.from_pretrained(checkpoint, device="cpu", attn_implementation=attn)
@@ -78,15 +110,26 @@ def load_models(
     except CheckpointError as error:
         raise ExportError(f"--checkpoint {checkpoint}: {error}") from error
     projector = None
-    if "projected" in store:
+    own = "projected" in store and projector_from is None and tower_projection(encoder) is not None
+    if "projected" in store and not own:
         projector = _load_projector(checkpoint, projector_from, encoder)
         update_weights_digest(digest, projector, "projector.")
     # the folder's own processors (a classic ViT's: its patch size, no merger); frames always resize to the side cap
     processors = checkpoint_processors(checkpoint, encoder.config, **(processor_overrides or {}))
     processor, video_processor = processors.image, processors.video
     encoder = encoder.to(device=device, dtype=dtype).eval()
-    projector = projector.to(device=device, dtype=dtype).eval() if projector is not None else None
-    return Models(encoder, projector, processor, video_processor, digest.hexdigest())
+    projected: MoonViTProjector | TowerProjector | None = _tower_projector(encoder) if own else projector
+    if isinstance(projected, MoonViTProjector):
+        projected = projected.to(device=device, dtype=dtype).eval()
+    return Models(encoder, projected, processor, video_processor, digest.hexdigest())
+
+
+def _tower_projector(encoder: VisionEncoder) -> TowerProjector:
+    projection = tower_projection(encoder)
+    assert projection is not None  # asked before
+    config = encoder.config
+    width = int(cast(Any, config).text_hidden_size)  # an int where tower_projection gives a projection
+    return TowerProjector(projection, TowerProjectorConfig(tower_name(config), config.hidden_size, width))
 
 
 def _load_projector(

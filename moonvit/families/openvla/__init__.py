@@ -3,25 +3,30 @@
 - :mod:`.config`: :class:`FusedBackboneConfig` and the timm towers it names (:func:`timm_tower`);
 - :mod:`.formats`: OpenVLA's / Prismatic's folders and this package's own (config keys, tensor names);
 - :mod:`.model`: :class:`FusedBackbone` (two :class:`~moonvit.families.vit.ClassicViT` towers on one
-  pack, their second-to-last blocks' features side by side) and :class:`FusedProjector`.
-
-Its processor (one image resized once, normalised for each tower, 6 channels per patch) is not built
-yet: :func:`moonvit.media.processor_for` refuses the family's folders by name rather than reading them
-with another family's rule.
+  pack, their second-to-last blocks' features side by side) and :class:`FusedProjector`;
+- :mod:`.processor`: its image processors (one image, each tower's normalisation, 6 channels per
+  patch): ``openvla`` (:class:`FusedImageProcessor`, Prismatic's ``image_resize_strategy``, the default)
+  and ``native`` (:class:`NativeFusedImageProcessor`); a folder's ``preprocessor_config.json``
+  (transformers' ``PrismaticImageProcessor``) is read as transformers applies it.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, NoReturn
-
-from ...media.selection import register_processor_loader
 from .. import Family, register_family
 from . import formats
 from .config import TIMM_TOWERS, FusedBackboneConfig, timm_tower
 from .model import FusedBackbone, FusedProjector
+from .processor import OPENVLA_RULES, FusedImageProcessor, NativeFusedImageProcessor
 
-__all__ = ["TIMM_TOWERS", "FusedBackbone", "FusedBackboneConfig", "FusedProjector", "timm_tower"]
+__all__ = [
+    "TIMM_TOWERS",
+    "FusedBackbone",
+    "FusedBackboneConfig",
+    "FusedImageProcessor",
+    "FusedProjector",
+    "NativeFusedImageProcessor",
+    "timm_tower",
+]
 
 NAME = "openvla"
 
@@ -34,17 +39,8 @@ register_family(
         claims=formats.claims,
         read=formats.read,
         build=FusedBackbone,
-        processors=(NAME,),
+        processors=OPENVLA_RULES,
+        default_rule="openvla",
+        tower_name="fused DINOv2 + SigLIP backbone of OpenVLA",
     )
 )
-
-
-def _no_processor(folder: Path, rule: str | None = None, **overrides: Any) -> NoReturn:
-    raise ValueError(
-        f"{folder}: OpenVLA's fused backbone has no processor here yet; give the encoder pixel_values (L, 6, p, p): "
-        "each image resized to the towers' size (Prismatic's image_resize_strategy), cut into patches in raster "
-        "order, each patch's RGB normalised with ImageNet's mean and std (DINOv2's), then with 0.5 / 0.5 (SigLIP's)"
-    )
-
-
-register_processor_loader(NAME, _no_processor)

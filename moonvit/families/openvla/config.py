@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 from ...files import write_text_atomic
 from ...model.attention import check_attn_name
@@ -237,6 +237,8 @@ class FusedBackboneConfig(DictConfig):
 
     rope_theta = 10000.0
     pos_emb_interpolation_mode = "bicubic"
+    gives_hidden_states: ClassVar[bool] = False
+    """The fused forward gives no hidden states (each tower's are its own: ``encoder.featurizer(...)``)."""
 
     def describe(self) -> str:
         """The backbone's shape in one line."""
