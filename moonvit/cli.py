@@ -439,15 +439,16 @@ def add_image_rule_argument(parser: argparse.ArgumentParser | argparse._Argument
     gives (:attr:`Family.processors <moonvit.families.Family.processors>`; see
     :func:`moonvit.media.processor_for`): a ViT tower's folder ``native`` (its family's default rule,
     :attr:`Family.default_rule <moonvit.families.Family.default_rule>`) or its checkpoint's own resize
-    (``vit``, ``deit``, ``dinov2``, ``siglip``; SigLIP2's ``naflex``); MoonViT folders have one rule, their own."""
+    (``vit``, ``deit``, ``dinov2``, ``siglip``; SigLIP2's ``naflex``); an OpenVLA folder ``openvla`` (its
+    default) or ``native``; MoonViT folders have one rule, their own."""
     parser.add_argument(
         "--image-rule",
         default=None,
         metavar="RULE",
         help="a ViT tower folder's processor rule, by its family's names: native (whole patches near each image's "
         "own size) or the checkpoint's own resize (vit, deit, dinov2, siglip; SigLIP2's naflex), each with the "
-        "folder's normalisation (default: the family's default rule, native; SigLIP2's naflex; a MoonViT folder "
-        "takes its own rule)",
+        "folder's normalisation (default: the family's default rule, native; SigLIP2's naflex; OpenVLA's openvla, "
+        "Prismatic's resize, or native; a MoonViT folder takes its own rule)",
     )
 
 
