@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close_across_shapes, run_export, with_threads
+from helpers import assert_close_across_shapes, folder_bytes, run_export, with_threads
 from PIL import Image
 from safetensors.torch import load_file
 from test_openvla import PATCH, SIDE, TEXT, openvla_config, openvla_tensors, reference, write_openvla_folder
@@ -469,6 +469,15 @@ def test_export_stores_features_and_projected_tokens(folder, images, tmp_path):
     # the default store: projected tokens alone, through the folder's own projector
     run_export("--inputs", images[0].parent, "--checkpoint", folder, "--out", tmp_path / "projected")
     assert VisualTokenDataset(tmp_path / "projected").kinds == ("projected",)
+
+
+def test_the_ray_engine_writes_the_local_export_s_bytes(folder, images, tmp_path):
+    """6-channel packs decoded in Ray's tasks, features and projected tokens from its encoder actors."""
+    pytest.importorskip("ray")
+    args = ["--inputs", images[0].parent, "--checkpoint", folder, "--store", "both", "--shard-size", "2"]
+    run_export(*args, "--max-patches-per-pack", "32", "--out", tmp_path / "local")
+    run_export(*args, "--max-patches-per-pack", "32", "--out", tmp_path / "ray", "--engine", "ray")
+    assert folder_bytes(tmp_path / "ray") == folder_bytes(tmp_path / "local")
 
 
 PROBE = ["--dataset", "digits", "--short-side", "32", "--no-baseline", "--solver", "lbfgs", "--Cs", "1", "--no-logreg"]

@@ -464,7 +464,8 @@ def _pipeline(
         num_cpus=1,
         # declared (the worker, a pack's pixels twice): also what keeps Ray Data from
         # fusing the decoding into the encoder actors, which would serialise the two
-        memory=DECODE_WORKER_BYTES + 2 * run.max_patches_per_pack * 3 * source["processor"].patch_size ** 2 * 4,
+        memory=DECODE_WORKER_BYTES
+        + 2 * run.max_patches_per_pack * len(source["processor"].image_mean) * source["processor"].patch_size ** 2 * 4,
         compute=ray.data.TaskPoolStrategy(size=max(1, run.workers)),
     )
     return decoded.map_batches(
