@@ -46,8 +46,9 @@ gives the rule (``image_resize_strategy``, ``image_sizes``) with timm's statisti
 (ImageNet's for DINOv2, 0.5 / 0.5 for SigLIP) and each tower's letterbox colour.
 
 Images decode as Prismatic's ``img.convert("RGB")`` does: alpha dropped, not composited
-(:func:`~moonvit.media.image.load_image` with ``alpha_mode="drop"``); the EXIF orientation of a file
-is applied, as every processor here does.
+(:func:`~moonvit.media.image.load_image` with ``alpha_mode="drop"``); but the EXIF orientation of a file
+is applied and the wide-range modes (``I;16``, ``I``, ``F``) are mapped from their value range, where
+Pillow's conversion clips them, as every processor here does.
 """
 
 from __future__ import annotations
