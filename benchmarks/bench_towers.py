@@ -7,11 +7,13 @@ the same pixels:
 
     python benchmarks/bench_towers.py --threads 2 --repeats 3 --out benchmarks/results/bench_towers.md
 
-1. SigLIP2 NaFlex, ``Siglip2VisionModel`` at so400m/16's shape, patch budget ``--budget`` (256):
-   (a) eight images of mixed aspect ratios sized by NaFlex's own rule
-   (:func:`moonvit.families.siglip.processor.naflex_grid`, transformers' bisection) (each fills most of the
-   budget), (b) the same eight images at their own resolution within the budget (native: from 24
-   to 256 patches). Ours: one packed call, no padding; transformers: its padded batch
+1. SigLIP2 NaFlex, ``Siglip2VisionModel`` at so400m/16's shape:
+   (a) at ``--budget`` (256 patches), eight images of mixed aspect ratios sized by NaFlex's own rule
+   (:func:`moonvit.families.siglip.processor.naflex_grid`, transformers' bisection), which scales
+   every image up or down to fill most of the budget, so its padded batch wastes little; (b) at
+   ``--native-budget`` (1024 patches), eight images as a robot's or a VLM's batch mixes them (camera
+   frames, crops, small icons) at their own resolution, scaled down only to fit the budget (16 to
+   about 1000 patches each). Ours: one packed call, no padding; transformers: its padded batch
    (``max_num_patches`` rows per image, ``pixel_attention_mask`` on the padding: how its processor
    hands images over) and, for the same tokens, one call per image unpadded.
 2. DINOv2, ``Dinov2Model`` at ViT-L/14's shape: eight images of eight sizes (multiples of 14).
@@ -56,6 +58,17 @@ MIXED_SIZES: list[tuple[int, int]] = [
     (160, 400),
     (720, 1280),
 ]
+NATIVE_SIZES: list[tuple[int, int]] = [
+    (224, 224),
+    (64, 64),
+    (480, 640),
+    (128, 256),
+    (1080, 1920),
+    (320, 240),
+    (96, 160),
+    (720, 1280),
+]
+"""(height, width) px of case (b): each read at its own resolution within the native budget."""
 QUICK_SIZES: list[tuple[int, int]] = [(64, 96), (48, 48), (32, 128), (80, 40)]
 DINO_SIZES: list[tuple[int, int]] = [
     (224, 224),
@@ -259,7 +272,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtypes", nargs="+", type=bf16_or_fp32, default=["bf16"], help="dtypes to time: fp32, bf16 (default: bf16)"
     )
-    parser.add_argument("--budget", type=positive_int, default=256, help="SigLIP2's max_num_patches (default: 256)")
+    parser.add_argument(
+        "--budget", type=positive_int, default=256, help="max_num_patches of case (a), NaFlex's rule (default: 256)"
+    )
+    parser.add_argument(
+        "--native-budget",
+        type=positive_int,
+        default=1024,
+        help="max_num_patches of case (b), images at their own resolution (default: 1024)",
+    )
     parser.add_argument(
         "--depth", type=positive_int, default=None, help="blocks of each tower (default: the real depths, 27 and 24)"
     )
@@ -275,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     args.threads = apply_threads(args.threads)
     repeats = args.repeats or (1 if args.quick else 3)
     budget = 16 if args.quick else args.budget
+    native_budget = 64 if args.quick else args.native_budget
 
     import transformers
     from transformers import Dinov2Config, Dinov2Model, Siglip2VisionConfig, Siglip2VisionModel
@@ -283,26 +305,26 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         siglip_shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
         dino_shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=56)
-        sizes, dino_sizes = QUICK_SIZES, QUICK_DINO
+        sizes, native_sizes, dino_sizes = QUICK_SIZES, QUICK_SIZES, QUICK_DINO
     else:  # so400m/16 and ViT-L/14
         siglip_shape = dict(hidden_size=1152, num_hidden_layers=27, num_attention_heads=16, intermediate_size=4304)
         dino_shape = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, image_size=518)
-        sizes, dino_sizes = MIXED_SIZES, DINO_SIZES
+        sizes, native_sizes, dino_sizes = MIXED_SIZES, NATIVE_SIZES, DINO_SIZES
     if args.depth:
         siglip_shape["num_hidden_layers"] = dino_shape["num_hidden_layers"] = args.depth
     patch = 16
     naflex = [naflex_grid(h, w, patch, budget) for h, w in sizes]
-    native = [native_grid(h, w, patch, budget) for h, w in sizes]
+    native = [native_grid(h, w, patch, native_budget) for h, w in native_sizes]
     lines = [
         f"host: {host_line()}",
         f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
         f"random weights, {repeats} timed run(s) after a warm-up"
         + (" (--quick: a smoke test, not figures)" if args.quick else ""),
-        f"SigLIP2: {siglip_shape}, patch {patch}, max_num_patches {budget}. DINOv2: {dino_shape}, patch 14.",
-        f"(a) NaFlex grids: {', '.join(f'{r}x{c}' for r, c in naflex)} ({sum(r * c for r, c in naflex):,} patches; "
-        f"padded: {len(naflex) * budget:,} rows)",
-        f"(b) native grids: {', '.join(f'{r}x{c}' for r, c in native)} ({sum(r * c for r, c in native):,} patches; "
-        f"padded: {len(native) * budget:,} rows)",
+        f"SigLIP2: {siglip_shape}, patch {patch}. DINOv2: {dino_shape}, patch 14.",
+        f"(a) NaFlex at max_num_patches {budget}, grids: {', '.join(f'{r}x{c}' for r, c in naflex)} "
+        f"({sum(r * c for r, c in naflex):,} patches; padded: {len(naflex) * budget:,} rows)",
+        f"(b) native at max_num_patches {native_budget}, grids: {', '.join(f'{r}x{c}' for r, c in native)} "
+        f"({sum(r * c for r, c in native):,} patches; padded: {len(native) * native_budget:,} rows)",
         f"DINOv2 images: {', '.join(f'{h}x{w}' for h, w in dino_sizes)} px",
         "",
         *TABLE_HEAD,
@@ -320,12 +342,15 @@ def main(argv: list[str] | None = None) -> None:
             dtype = DTYPES[dtype_key]
             ours = MoonViT.from_pretrained(siglip_folder, dtype=dtype).eval()
             peer = Siglip2VisionModel.from_pretrained(siglip_folder, dtype=dtype, attn_implementation="sdpa").eval()
-            for label, grids, seed in (("(a) NaFlex", naflex, 1), ("(b) native", native, 2)):
+            for label, grids, seed, limit in (
+                ("(a) NaFlex", naflex, 1, budget),
+                ("(b) native", native, 2, native_budget),
+            ):
                 images = images_at(grids, patch, seed)
                 reference = siglip2_per_image(peer, images, patch)
                 contenders = [
                     ours_contender(ours, images, patch),
-                    siglip2_padded(peer, images, patch, budget),
+                    siglip2_padded(peer, images, patch, limit),
                     reference,
                 ]
                 lines += case_rows(f"SigLIP2 {label}, {dtype_key}", contenders, reference, repeats)
