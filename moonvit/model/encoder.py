@@ -19,15 +19,15 @@ from torch.utils.checkpoint import checkpoint
 from .attention import (
     attention_for_call,
     bind_attention,
-    check_attn_implementation,
     query_scale,
     resolve_attn_implementation,
 )
 from .blocks import Block, make_norm
 from .config import MoonViTConfig, preset_config
-from .grid import GridCache, GridInput, PackedGrid, build_packed_grid, check_pixel_shape, validate_grid_thws
+from .grid import GridInput, PackedGrid, validate_grid_thws
 from .position import LearnablePositionTable
 from .rope import scale_query
+from .tower import PackedTower
 
 if TYPE_CHECKING:
     from .projector import MoonViTProjector
@@ -159,7 +159,7 @@ class Encoder(nn.Module):
         return self.final_layernorm(x), hidden
 
 
-class MoonViT(nn.Module):
+class MoonViT(PackedTower):
     """The MoonViT vision tower of Kimi-VL, Kimi-K2.5 / K2.6 (clips) and Kimi K3 (MoonViT-V2), by its config.
 
     Call it as ``encoder(pixel_values, grid_thws)`` with every image of a pack cut
@@ -167,13 +167,12 @@ class MoonViT(nn.Module):
     image and nothing is padded.
     """
 
+    config: MoonViTConfig
+
     def __init__(self, config: MoonViTConfig) -> None:
-        super().__init__()
-        check_attn_implementation(config.attn_implementation)
-        self.config = config
+        super().__init__(config)
         self.patch_embed = PatchEmbed(config)
         self.encoder = Encoder(config)
-        self.grid_cache = GridCache()
         self.apply(_init_weights)
 
     # ---- construction -------------------------------------------------------------
@@ -236,12 +235,6 @@ class MoonViT(nn.Module):
         been through and the hidden states have not."""
         return self.encoder.final_layernorm
 
-    def set_attn_implementation(self, attn_implementation: str) -> None:
-        """Switch the attention backend: ``auto`` or a registered one (flash_attention_2, openvino, sdpa,
-        flex, eager)."""
-        check_attn_implementation(attn_implementation)
-        self.config.attn_implementation = attn_implementation
-
     def gradient_checkpointing_enable(self) -> None:
         self.encoder.gradient_checkpointing = True
 
@@ -263,7 +256,7 @@ class MoonViT(nn.Module):
 
     def clear_caches(self) -> None:
         """Forget this model's cached pack metadata and resampled position tables (they rebuild on demand)."""
-        self.grid_cache.clear()
+        super().clear_caches()
         self.patch_embed.pos_emb.clear_cache()
 
     # ---- what the tower answers for itself ------------------------------------------------
@@ -285,22 +278,6 @@ class MoonViT(nn.Module):
         return table(taps.to(self.device), weights.to(self.device)).reshape(rows, cols, -1)
 
     # ---- forward ------------------------------------------------------------------
-    def prepare_grid(self, grid_thws: GridInput, keep: Sequence[torch.Tensor] | None = None) -> PackedGrid:
-        """Validate the pack's grids and compute its metadata on the model's device.
-
-        Args:
-            grid_thws: (N, 2) rows (h, w), or (N, 3) rows (t, h, w).
-            keep: training only: per item, the sorted indices of the patches fed
-                (token dropping, MAE); see :func:`~moonvit.model.grid.build_packed_grid`.
-
-        Pass the result as ``grid=`` to skip that work (and its host sync) in
-        forward. Packs without ``keep`` come from a small per-model cache: treat
-        the tensors as read-only.
-        """
-        if keep is not None:
-            return build_packed_grid(grid_thws, self.config, self.device, keep=keep)
-        return self.grid_cache.get(grid_thws, self.config, self.device)
-
     def forward(
         self,
         pixel_values: torch.Tensor,
@@ -326,11 +303,7 @@ class MoonViT(nn.Module):
                 (0 = embeddings, i = block i's output, negative from the end), e.g.
                 ``(-4, -3, -2, -1)`` for the last four blocks; the others are not kept.
         """
-        grid_thws = _renamed_grid(grid_thws, deprecated)
-        if grid is None:
-            if grid_thws is None:
-                raise TypeError("forward needs grid_thws (N, 3) or (N, 2), or a precomputed grid")
-            grid = self.prepare_grid(grid_thws)
+        grid = self._pack_grid(_renamed_grid(grid_thws, deprecated), grid)
         self._check_pixel_values(pixel_values, grid)
         if grid.max_frames > self.config.max_frames:
             raise ValueError(
@@ -358,21 +331,6 @@ class MoonViT(nn.Module):
         weighted = x.to(compute_dtype) * grid.pool_weight.to(compute_dtype).unsqueeze(1)
         pooled = x.new_zeros(grid.num_slots, x.shape[1], dtype=compute_dtype).index_add_(0, grid.pool_index, weighted)
         return pooled.to(x.dtype).unflatten(0, (-1, group))
-
-    def _check_pixel_values(self, pixel_values: torch.Tensor, grid: PackedGrid) -> None:
-        if not isinstance(pixel_values, torch.Tensor):
-            raise TypeError(f"pixel_values must be a tensor, got {type(pixel_values).__name__}")
-        check_pixel_shape(
-            tuple(pixel_values.shape),
-            pixel_values.dtype.is_floating_point,
-            pixel_values.dtype,
-            self.config,
-            grid.num_patches,
-            grid.max_frames,
-            grid.dropped,
-        )
-        if pixel_values.device != self.device:
-            raise ValueError(f"pixel_values is on {pixel_values.device}, the model on {self.device}")
 
 
 def hidden_indices(

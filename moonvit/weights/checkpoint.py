@@ -52,6 +52,7 @@ from .storage import (
 if TYPE_CHECKING:
     from ..model.encoder import MoonViT
     from ..model.projector import MoonViTProjector
+    from ..model.tower import PackedTower
     from .hub import HubSnapshot
 
 C = TypeVar("C", bound=DictConfig)
@@ -185,6 +186,25 @@ def load_pretrained(
 
 
 M = TypeVar("M", bound=nn.Module)
+
+
+def load_tower(
+    cls: type[M],
+    path: str | Path,
+    what: str,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    attn_implementation: str = "auto",
+) -> M:
+    """:func:`load_pretrained` of a family's own tower class ``cls``, which the folder must hold.
+
+    Raises:
+        TypeError: the folder holds another family's tower (the message says it is not ``what``).
+    """
+    model = load_pretrained(cls, path, dtype=dtype, device=device, attn_implementation=attn_implementation)
+    if not isinstance(model, cls):
+        raise TypeError(f"{path} holds a {type(model).__name__}, not {what}")
+    return model
 
 
 def assign_from_files(
@@ -356,6 +376,17 @@ SAVE_LAYOUTS = ("own", "release")
 """The layouts :func:`save_pretrained` writes."""
 
 
+def save_own(model: PackedTower, path: str | Path) -> None:
+    """Write ``model`` in this package's own layout into the folder ``path``: its config's ``config.json``
+    and one ``model.safetensors`` under the module's own names (any tower class; the tensor files of an
+    earlier save that this replaces removed, see :func:`~.storage.write_tensor_files`)."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.save(folder)
+    state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
+    write_tensor_files(folder, state, max_shard_bytes=None)
+
+
 def save_pretrained(
     model: MoonViT, path: str | Path, layout: str = "own", projector: MoonViTProjector | None = None
 ) -> None:
@@ -376,10 +407,6 @@ def save_pretrained(
 
         save_release(path, model, projector)
         return
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    model.config.save(folder)
-    state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
-    write_tensor_files(folder, state, max_shard_bytes=None)
+    save_own(model, path)
     if projector is not None:
-        projector.save_pretrained(folder)
+        projector.save_pretrained(path)

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ...model.attention import check_attn_implementation
 from ...model.encoder import MoonViTOutput
-from ...model.grid import GridCache, GridInput, PackedGrid, build_packed_grid, check_pixel_shape, validate_grid_thws
+from ...model.grid import GridInput, PackedGrid, validate_grid_thws
 from ...model.linear import linear
+from ...model.tower import PackedTower
 from ..vit.model import ClassicViT
 from .config import TOWERS, FusedBackboneConfig
 
@@ -45,7 +45,7 @@ class FusedProjector(nn.Module):
         return linear(self.fc3, x).reshape(*features.shape[:-1], -1)
 
 
-class FusedBackbone(nn.Module):
+class FusedBackbone(PackedTower):
     """OpenVLA's (Prismatic's ``dinosiglip``) fused vision backbone, by its :class:`FusedBackboneConfig`.
 
     Call it as every tower: ``encoder(pixel_values, grid_thws)``, pixel_values (L, 6, p, p) being each
@@ -62,15 +62,14 @@ class FusedBackbone(nn.Module):
     (SigLIP), ``projector``.
     """
 
+    config: FusedBackboneConfig
+
     def __init__(self, config: FusedBackboneConfig) -> None:
-        super().__init__()
-        check_attn_implementation(config.attn_implementation)
-        self.config = config
+        super().__init__(config)
         self.featurizer = ClassicViT(config.feature_tower("featurizer"))
         self.fused_featurizer = ClassicViT(config.feature_tower("fused_featurizer"))
         text = config.text_hidden_size
         self.projector = None if text is None else FusedProjector(config.hidden_size, text)
-        self.grid_cache = GridCache()
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -83,22 +82,9 @@ class FusedBackbone(nn.Module):
     ) -> FusedBackbone:
         """Load an OpenVLA / Prismatic or own fused-backbone folder (the one loader's): only the vision
         backbone's and the projector's tensors are read."""
-        from ...weights.checkpoint import load_pretrained
+        from ...weights.checkpoint import load_tower
 
-        model = load_pretrained(cls, path, dtype=dtype, device=device, attn_implementation=attn_implementation)
-        if not isinstance(model, FusedBackbone):
-            raise TypeError(f"{path} holds a {type(model).__name__}, not OpenVLA's fused backbone")
-        return model
-
-    def save_pretrained(self, path: str | Path) -> None:
-        """Write ``config.json`` (this package's fields) and ``model.safetensors`` (the module's names)."""
-        from ...weights.storage import write_tensor_files
-
-        folder = Path(path)
-        folder.mkdir(parents=True, exist_ok=True)
-        self.config.save(folder)
-        state = {name: tensor.detach().cpu() for name, tensor in self.state_dict().items()}
-        write_tensor_files(folder, state, max_shard_bytes=None)
+        return load_tower(cls, path, "OpenVLA's fused backbone", dtype, device, attn_implementation)
 
     # ---- properties ---------------------------------------------------------------------
     @property
@@ -119,8 +105,7 @@ class FusedBackbone(nn.Module):
         return self.featurizer, self.fused_featurizer
 
     def set_attn_implementation(self, attn_implementation: str) -> None:
-        check_attn_implementation(attn_implementation)
-        self.config.attn_implementation = attn_implementation
+        super().set_attn_implementation(attn_implementation)
         for tower in self.towers():
             tower.set_attn_implementation(attn_implementation)
 
@@ -134,7 +119,7 @@ class FusedBackbone(nn.Module):
 
     def clear_caches(self) -> None:
         """Forget the cached pack metadata and resampled tables (they rebuild on demand)."""
-        self.grid_cache.clear()
+        super().clear_caches()
         for tower in self.towers():
             tower.clear_caches()
 
@@ -143,12 +128,6 @@ class FusedBackbone(nn.Module):
         return self.config.flops([t * h * w for t, h, w in validate_grid_thws(grid_thws, self.config)])
 
     # ---- forward ------------------------------------------------------------------------
-    def prepare_grid(self, grid_thws: GridInput, keep: Sequence[torch.Tensor] | None = None) -> PackedGrid:
-        """Validate the pack's grids and compute its metadata, once for both towers (see :class:`PackedGrid`)."""
-        if keep is not None:
-            return build_packed_grid(grid_thws, self.config, self.device, keep=keep)
-        return self.grid_cache.get(grid_thws, self.config, self.device)
-
     def forward(
         self,
         pixel_values: torch.Tensor,
@@ -173,10 +152,7 @@ class FusedBackbone(nn.Module):
                 "the fused backbone gives the towers' second-to-last-block features only; for a tower's "
                 "hidden states call it alone (encoder.featurizer / encoder.fused_featurizer, its 3 channels)"
             )
-        if grid is None:
-            if grid_thws is None:
-                raise TypeError("forward needs grid_thws (N, 3) or (N, 2), or a precomputed grid")
-            grid = self.prepare_grid(grid_thws)
+        grid = self._pack_grid(grid_thws, grid)
         if not isinstance(pixel_values, torch.Tensor):
             raise TypeError(f"pixel_values must be a tensor, got {type(pixel_values).__name__}")
         channels = self.config.num_channels
@@ -185,17 +161,7 @@ class FusedBackbone(nn.Module):
                 f"the fused backbone takes {channels} channels per patch (the DINOv2-normalised RGB, then the "
                 f"SigLIP-normalised RGB), got pixel_values of shape {tuple(pixel_values.shape)}"
             )
-        check_pixel_shape(
-            tuple(pixel_values.shape),
-            pixel_values.dtype.is_floating_point,
-            pixel_values.dtype,
-            self.config,
-            grid.num_patches,
-            grid.max_frames,
-            grid.dropped,
-        )
-        if pixel_values.device != self.device:
-            raise ValueError(f"pixel_values is on {pixel_values.device}, the model on {self.device}")
+        self._check_pixel_values(pixel_values, grid)
         features = []
         start = 0
         for name, tower in zip(TOWERS, self.towers()):

@@ -22,28 +22,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ...model.attention import (
-    BoundAttention,
-    attention_for_call,
-    bind_attention,
-    check_attn_implementation,
-    resolve_attn_implementation,
-)
+from ...model.attention import BoundAttention, attention_for_call, bind_attention, resolve_attn_implementation
 from ...model.blocks import drop_path_per_item
 from ...model.chunking import map_row_chunks
 from ...model.encoder import MoonViTOutput, hidden_indices
-from ...model.grid import (
-    GridCache,
-    GridInput,
-    PackedGrid,
-    PrefixedPack,
-    build_packed_grid,
-    check_pixel_shape,
-    prefixed_pack,
-    validate_grid_thws,
-)
+from ...model.grid import GridInput, PackedGrid, PrefixedPack, prefixed_pack, validate_grid_thws
 from ...model.linear import computes_in_float32, linear
 from ...model.position import table_cache_key
+from ...model.tower import PackedTower
 from .config import ClassicViTConfig
 
 MLP_CHUNK_BYTES = 16 * 2**20
@@ -226,7 +212,7 @@ class Pooler(nn.Module):
         return torch.tanh(self.dense(cls))
 
 
-class ClassicViT(nn.Module):
+class ClassicViT(PackedTower):
     """The classic ViT (and DeiT) tower of the packed engine, by its :class:`ClassicViTConfig`.
 
     Call it as every tower: ``encoder(pixel_values, grid_thws)``, pixel_values (L, C, p, p) being each
@@ -238,10 +224,10 @@ class ClassicViT(nn.Module):
     heads, each in ``head_logits`` (N, 2, classes)).
     """
 
+    config: ClassicViTConfig
+
     def __init__(self, config: ClassicViTConfig) -> None:
-        super().__init__()
-        check_attn_implementation(config.attn_implementation)
-        self.config = config
+        super().__init__(config)
         dim, side = config.hidden_size, config.grid_side
         self.patch_embed = PatchEmbed(config)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim)) if config.class_token else None
@@ -257,7 +243,6 @@ class ClassicViT(nn.Module):
         self.pooler = Pooler(dim) if config.pooler else None
         self.head = nn.Linear(dim, config.num_classes) if config.num_classes else None
         self.head_dist = nn.Linear(dim, config.num_classes) if config.distilled_head else None
-        self.grid_cache = GridCache()
         self.gradient_checkpointing = False
         self._tables: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
         self._tables_key: tuple | None = None
@@ -299,22 +284,9 @@ class ClassicViT(nn.Module):
         attn_implementation: str = "auto",
     ) -> ClassicViT:
         """Load a transformers, timm or own classic-ViT / DeiT folder (the one loader's)."""
-        from ...weights.checkpoint import load_pretrained
+        from ...weights.checkpoint import load_tower
 
-        model = load_pretrained(cls, path, dtype=dtype, device=device, attn_implementation=attn_implementation)
-        if not isinstance(model, ClassicViT):
-            raise TypeError(f"{path} holds a {type(model).__name__}, not a classic ViT")
-        return model
-
-    def save_pretrained(self, path: str | Path) -> None:
-        """Write ``config.json`` (this package's classic-ViT fields) and ``model.safetensors`` (timm's names)."""
-        from ...weights.storage import write_tensor_files
-
-        folder = Path(path)
-        folder.mkdir(parents=True, exist_ok=True)
-        self.config.save(folder)
-        state = {name: tensor.detach().cpu() for name, tensor in self.state_dict().items()}
-        write_tensor_files(folder, state, max_shard_bytes=None)
+        return load_tower(cls, path, "a classic ViT", dtype, device, attn_implementation)
 
     # ---- properties ---------------------------------------------------------------------
     @property
@@ -331,10 +303,6 @@ class ClassicViT(nn.Module):
         and ``pooled`` have been through and the hidden states have not."""
         return self.norm
 
-    def set_attn_implementation(self, attn_implementation: str) -> None:
-        check_attn_implementation(attn_implementation)
-        self.config.attn_implementation = attn_implementation
-
     def gradient_checkpointing_enable(self) -> None:
         self.gradient_checkpointing = True
 
@@ -343,7 +311,7 @@ class ClassicViT(nn.Module):
 
     def clear_caches(self) -> None:
         """Forget the cached pack metadata and resampled tables (they rebuild on demand)."""
-        self.grid_cache.clear()
+        super().clear_caches()
         with self._lock:
             self._tables.clear()
             self._tables_key = None
@@ -402,13 +370,6 @@ class ClassicViT(nn.Module):
         return positions if grid.pos_emb_row is None else positions.index_select(0, grid.pos_emb_row)
 
     # ---- forward ------------------------------------------------------------------------
-    def prepare_grid(self, grid_thws: GridInput, keep: Sequence[torch.Tensor] | None = None) -> PackedGrid:
-        """Validate the pack's grids and compute its metadata (see :class:`PackedGrid`); ``keep``: training's
-        dropped patches (each kept patch keeps its table row)."""
-        if keep is not None:
-            return build_packed_grid(grid_thws, self.config, self.device, keep=keep)
-        return self.grid_cache.get(grid_thws, self.config, self.device)
-
     def forward(
         self,
         pixel_values: torch.Tensor,
@@ -428,23 +389,8 @@ class ClassicViT(nn.Module):
                 i's output, before the final norm): ``hidden_states`` (L, D) patch rows, as for every
                 tower, and ``hidden_prefix_tokens`` (N, n_prefix, D) each item's prefix rows.
         """
-        if grid is None:
-            if grid_thws is None:
-                raise TypeError("forward needs grid_thws (N, 3) or (N, 2), or a precomputed grid")
-            grid = self.prepare_grid(grid_thws)
-        if not isinstance(pixel_values, torch.Tensor):
-            raise TypeError(f"pixel_values must be a tensor, got {type(pixel_values).__name__}")
-        check_pixel_shape(
-            tuple(pixel_values.shape),
-            pixel_values.dtype.is_floating_point,
-            pixel_values.dtype,
-            self.config,
-            grid.num_patches,
-            grid.max_frames,
-            grid.dropped,
-        )
-        if pixel_values.device != self.device:
-            raise ValueError(f"pixel_values is on {pixel_values.device}, the model on {self.device}")
+        grid = self._pack_grid(grid_thws, grid)
+        self._check_pixel_values(pixel_values, grid)
         selected = hidden_indices(self.config.num_hidden_layers + 1, output_hidden_states, hidden_state_indices)
         count = self.config.num_prefix_tokens
         pack = prefixed_pack(grid, count)
