@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar, cast
 
-from ...files import write_text_atomic
 from ...model.attention import check_attn_name
-from ...model.config import DictConfig
-from ..vit.config import ClassicViTConfig
+from ..vit.config import ClassicViTConfig, PatchTokenConfig
 
 TOWERS = ("featurizer", "fused_featurizer")
 """The two towers, by their names in OpenVLA's checkpoints (``vision_backbone.<name>.*``): DINOv2, then
@@ -92,7 +88,7 @@ def _siglip() -> ClassicViTConfig:
 
 
 @dataclass
-class FusedBackboneConfig(DictConfig):
+class FusedBackboneConfig(PatchTokenConfig):
     """OpenVLA's (Prismatic's ``dinosiglip``) fused vision backbone and its projector.
 
     The defaults are ``openvla/openvla-7b``'s: DINOv2 ViT-L/14 with 4 registers and SigLIP so400m/14,
@@ -205,38 +201,9 @@ class FusedBackboneConfig(DictConfig):
         return min(self.featurizer.max_grid_side, self.fused_featurizer.max_grid_side)
 
     @property
-    def merge_kernel_size(self) -> tuple[int, int]:
-        """(1, 1): no merger; each patch row is one LLM token."""
-        return (1, 1)
-
-    @property
-    def tokens_per_merge(self) -> int:
-        return 1
-
-    @property
-    def init_pos_emb_time(self) -> int:
-        """0: an image-only tower."""
-        return 0
-
-    @property
-    def max_frames(self) -> int:
-        return 1
-
-    # The packed grid's geometry (its RoPE angles and 2D-table taps go unused by the towers).
-    @property
-    def init_pos_emb_height(self) -> int:
-        return self.grid_side
-
-    @property
-    def init_pos_emb_width(self) -> int:
-        return self.grid_side
-
-    @property
     def head_dim(self) -> int:
         return self.featurizer.head_dim
 
-    rope_theta = 10000.0
-    pos_emb_interpolation_mode = "bicubic"
     gives_hidden_states: ClassVar[bool] = False
     """The fused forward gives no hidden states (each tower's are its own: ``encoder.featurizer(...)``)."""
 
@@ -255,13 +222,6 @@ class FusedBackboneConfig(DictConfig):
         )
         return f"fused backbone: {towers}, patch {self.patch_size}, {width} features per patch{projector}"
 
-    def switches(self) -> dict[str, Any]:
-        return {}
-
     def flops(self, seqlens: Sequence[int]) -> float:
         """Matmul FLOPs of the two towers' blocks that run, over items of ``seqlens`` patches (projector aside)."""
         return sum(self.feature_tower(name).flops(seqlens) for name in TOWERS)
-
-    def save(self, folder: str | Path) -> None:
-        """Write ``config.json`` into ``folder`` (atomically)."""
-        write_text_atomic(Path(folder) / "config.json", json.dumps(self.to_dict(), indent=2) + "\n")

@@ -33,8 +33,57 @@ ACTIVATIONS = ("gelu", "gelu_tanh")
 MLP_TYPES = ("mlp", "swiglu")
 
 
+class PatchTokenConfig(DictConfig):
+    """The config base of an image-only tower with no merger, each patch row one token (the classic
+    ViT's and OpenVLA's fused backbone's): what the engine reads of it, and its ``config.json``.
+
+    The packed grid's RoPE angles and 2D-table taps, which it computes from ``init_pos_emb_*`` and
+    ``rope_theta``, go unused by these towers (their 1D tables resample per grid size). A subclass
+    gives ``grid_side``, its native patch grid per side."""
+
+    @property
+    def grid_side(self) -> int:
+        raise NotImplementedError(f"{type(self).__name__} does not say its grid")
+
+    @property
+    def merge_kernel_size(self) -> tuple[int, int]:
+        """(1, 1): no merger; each patch row is one output (or LLM) token."""
+        return (1, 1)
+
+    @property
+    def tokens_per_merge(self) -> int:
+        return 1
+
+    @property
+    def init_pos_emb_time(self) -> int:
+        """0: an image-only tower."""
+        return 0
+
+    @property
+    def max_frames(self) -> int:
+        return 1
+
+    @property
+    def init_pos_emb_height(self) -> int:
+        return self.grid_side
+
+    @property
+    def init_pos_emb_width(self) -> int:
+        return self.grid_side
+
+    rope_theta = 10000.0
+    pos_emb_interpolation_mode = "bicubic"
+
+    def switches(self) -> dict[str, Any]:
+        return {}
+
+    def save(self, folder: str | Path) -> None:
+        """Write ``config.json`` into ``folder`` (atomically)."""
+        write_text_atomic(Path(folder) / "config.json", json.dumps(self.to_dict(), indent=2) + "\n")
+
+
 @dataclass
-class ClassicViTConfig(DictConfig):
+class ClassicViTConfig(PatchTokenConfig):
     """Hyper-parameters of a classic ViT (or DeiT) tower.
 
     Field names follow transformers' ``ViTConfig`` where it has one. The defaults are ViT-B/16 at
@@ -139,45 +188,16 @@ class ClassicViTConfig(DictConfig):
             raise ValueError(f"drop_path_rate must lie in [0, 1), got {self.drop_path_rate}")
         check_attn_name(self.attn_implementation)
 
-    # ---- what the engine reads of every tower's config -------------------------------------
-    @property
-    def merge_kernel_size(self) -> tuple[int, int]:
-        """(1, 1): no merger; each patch row is one output token."""
-        return (1, 1)
-
-    @property
-    def tokens_per_merge(self) -> int:
-        return 1
-
-    @property
-    def init_pos_emb_time(self) -> int:
-        """0: an image-only tower."""
-        return 0
-
-    @property
-    def max_frames(self) -> int:
-        return 1
-
+    # ---- what the engine reads of every tower's config (the rest: PatchTokenConfig's) ---------
     @property
     def grid_side(self) -> int:
         """The table's native patch grid per side (14 for 224 px at patch 16)."""
         return self.image_size // self.patch_size
 
-    # The packed grid's geometry (its RoPE angles and 2D-table taps go unused by this tower).
-    @property
-    def init_pos_emb_height(self) -> int:
-        return self.grid_side
-
-    @property
-    def init_pos_emb_width(self) -> int:
-        return self.grid_side
-
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
-    rope_theta = 10000.0
-    pos_emb_interpolation_mode = "bicubic"
     norm_type = "layernorm"
 
     @property
@@ -211,9 +231,6 @@ class ClassicViTConfig(DictConfig):
             f"{self.grid_side}x{self.grid_side} + {self.num_table_prefix_rows} ({self.pos_emb_rule}){head}"
         )
 
-    def switches(self) -> dict[str, Any]:
-        return {}
-
     def flops(self, seqlens: Sequence[int], depth: int | None = None) -> float:
         """Matmul FLOPs of one forward over items of ``seqlens`` patches each (their prefix tokens added)."""
         layers = self.num_hidden_layers if depth is None else depth
@@ -225,10 +242,6 @@ class ClassicViTConfig(DictConfig):
         if self.pool == "map":  # the MAP head: k, v of every patch row, then one query per item
             blocks += 4.0 * sum(seqlens) * self.hidden_size**2
         return embed + blocks
-
-    def save(self, folder: str | Path) -> None:
-        """Write ``config.json`` into ``folder`` (atomically)."""
-        write_text_atomic(Path(folder) / "config.json", json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 # Transformers' and timm's standard sizes: (width, depth, heads); the MLP is 4x the width.
