@@ -65,11 +65,13 @@ __all__ = [
     "ImageSizeError",
     "ImageTooLargeError",
     "MoonViTImageProcessor",
+    "SavedSettings",
     "image_size",
     "is_image",
     "load_image",
     "patchify",
     "unpatchify",
+    "unpatchify_pack",
 ]
 
 logger = logging.getLogger(__name__)
@@ -130,6 +132,13 @@ def unpatchify(patches: torch.Tensor, grid_hw: Sequence[int]) -> torch.Tensor:
         .permute(2, 0, 3, 1, 4)
         .reshape(channels, rows * patch_size, cols * patch_size)
     )
+
+
+def unpatchify_pack(pixels: torch.Tensor, grid_hws: torch.Tensor) -> list[torch.Tensor]:
+    """A pack's (L, C, p, p) patches, images concatenated, -> one (C, rows * p, cols * p) image per
+    (N, 2) grid row (see :func:`unpatchify`)."""
+    grids = grid_hws.tolist()
+    return [unpatchify(chunk, grid) for chunk, grid in zip(pixels.split([h * w for h, w in grids]), grids)]
 
 
 # ---- processor -------------------------------------------------------------------------------
@@ -274,8 +283,26 @@ def process_images(
     return ImageBatch(processor.normalize(pixels), torch.tensor(grids, dtype=torch.int64).reshape(-1, 2))
 
 
+class SavedSettings:
+    """The settings file of an image-processor dataclass (every family's): :meth:`to_dict`, its fields
+    after its class name, and :meth:`save_pretrained`, which writes them as ``preprocessor_config.json``
+    (read back by the family's processor reader)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        assert dataclasses.is_dataclass(self)
+        return {"image_processor_type": type(self).__name__, **dataclasses.asdict(self)}
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write the settings to ``directory/preprocessor_config.json`` and return that path."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        file = directory / CONFIG_NAME
+        write_text_atomic(file, json.dumps(self.to_dict(), indent=2) + "\n")
+        return file
+
+
 @dataclass(frozen=True)
-class MoonViTImageProcessor:
+class MoonViTImageProcessor(SavedSettings):
     """Kimi-VL's native-resolution image processor (see the module docstring for the steps).
 
     Call it on one image or a list of them (:data:`ImageInput`) to get an :class:`ImageBatch`.
@@ -403,17 +430,6 @@ class MoonViTImageProcessor:
         white and every other alpha dropped."""
         return cls(**{**LOCATEANYTHING_SETTINGS, **overrides})
 
-    def save_pretrained(self, directory: str | os.PathLike) -> Path:
-        """Write the settings to ``directory/preprocessor_config.json`` and return that path."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        file = directory / CONFIG_NAME
-        write_text_atomic(file, json.dumps(self.to_dict(), indent=2) + "\n")
-        return file
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"image_processor_type": type(self).__name__, **dataclasses.asdict(self)}
-
     # ---- geometry --------------------------------------------------------------------------
 
     def plan_image(self, width: int, height: int, *, in_token_limit: int | None = None) -> ImagePlan:
@@ -524,8 +540,7 @@ class MoonViTImageProcessor:
         mean = torch.tensor(self.image_mean).view(3, 1, 1)
         std = torch.tensor(self.image_std).view(3, 1, 1)
         pixels = (pixel_values.float().cpu() * std + mean).mul_(255).round_().clamp_(0, 255).to(torch.uint8)
-        grids = grid_hws.tolist()
-        return [unpatchify(chunk, grid) for chunk, grid in zip(pixels.split([h * w for h, w in grids]), grids)]
+        return unpatchify_pack(pixels, grid_hws)
 
 
 def _fetch_processor_files(snapshot: HubSnapshot) -> None:

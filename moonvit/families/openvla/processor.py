@@ -54,9 +54,7 @@ Pillow's conversion clips them, as every processor here does.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,18 +63,18 @@ from typing import Any, Literal, cast
 import torch
 from PIL import Image, ImageOps
 
-from ...files import write_text_atomic
 from ...media.image import ImageInput, load_image
 from ...media.processor import (
     CONFIG_NAME,
     ImageBatch,
     ImagePlan,
     ImageProcessor,
+    SavedSettings,
     _as_tuple,
     _check_choice,
     _check_positive_int,
     process_images,
-    unpatchify,
+    unpatchify_pack,
 )
 from ...media.selection import register_processor_loader
 from ...weights.checkpoint import read_config
@@ -143,7 +141,7 @@ def _letterboxed_size(width: int, height: int) -> tuple[int, int]:
 # ---- what both rules share ---------------------------------------------------------------------
 
 
-class _FusedRule:
+class _FusedRule(SavedSettings):
     """Decoding, rendering, normalising and patchifying for the two towers (both rules).
 
     Subclasses are frozen dataclasses with ``patch_size``, ``resamples``, ``image_means`` and
@@ -243,20 +241,7 @@ class _FusedRule:
         mean = torch.tensor(self.image_means[0]).view(3, 1, 1)
         std = torch.tensor(self.image_stds[0]).view(3, 1, 1)
         pixels = (pixel_values[:, :3].float().cpu() * std + mean).mul_(255).round_().clamp_(0, 255).to(torch.uint8)
-        grids = grid_hws.tolist()
-        return [unpatchify(chunk, grid) for chunk, grid in zip(pixels.split([h * w for h, w in grids]), grids)]
-
-    def to_dict(self) -> dict[str, Any]:
-        assert dataclasses.is_dataclass(self)
-        return {"image_processor_type": type(self).__name__, **dataclasses.asdict(self)}
-
-    def save_pretrained(self, directory: str | os.PathLike) -> Path:
-        """Write the settings to ``directory/preprocessor_config.json`` (read back by :func:`from_folder`)."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        file = directory / CONFIG_NAME
-        write_text_atomic(file, json.dumps(self.to_dict(), indent=2) + "\n")
-        return file
+        return unpatchify_pack(pixels, grid_hws)
 
     def _check_common(self) -> None:
         _check_positive_int("patch_size", self.patch_size)

@@ -35,9 +35,7 @@ alone (a fixed rule: the same grid for every image, 14 x 14 at 224 px), so packi
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +45,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ...files import write_text_atomic
 from ...media.image import ImageInput, load_image
 from ...media.processor import (
     CONFIG_NAME,
@@ -55,11 +52,12 @@ from ...media.processor import (
     ImagePlan,
     ImageProcessor,
     MoonViTImageProcessor,
+    SavedSettings,
     _as_tuple,
     _check_choice,
     _check_positive_int,
     process_images,
-    unpatchify,
+    unpatchify_pack,
 )
 from ...media.selection import register_processor_loader
 from ...weights.checkpoint import read_config
@@ -120,7 +118,7 @@ _TRANSFORMERS_KEYS = {
 # ---- what both rules share -------------------------------------------------------------------
 
 
-class PatchRule:
+class PatchRule(SavedSettings):
     """Decoding, rendering, normalising and patchifying, shared by the ClassicViT tower's processors
     (the classic ViT's, SigLIP's, SigLIP2 NaFlex's, DINOv2's).
 
@@ -195,20 +193,7 @@ class PatchRule:
         std = torch.tensor(self.image_std).view(3, 1, 1)
         pixels = (pixel_values.float().cpu() * std + mean).div_(self.rescale_factor)
         pixels = pixels.round_().clamp_(0, 255).to(torch.uint8)
-        grids = grid_hws.tolist()
-        return [unpatchify(chunk, grid) for chunk, grid in zip(pixels.split([h * w for h, w in grids]), grids)]
-
-    def to_dict(self) -> dict[str, Any]:
-        assert dataclasses.is_dataclass(self)
-        return {"image_processor_type": type(self).__name__, **dataclasses.asdict(self)}
-
-    def save_pretrained(self, directory: str | os.PathLike) -> Path:
-        """Write the settings to ``directory/preprocessor_config.json`` (read back by :func:`from_folder`)."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        file = directory / CONFIG_NAME
-        write_text_atomic(file, json.dumps(self.to_dict(), indent=2) + "\n")
-        return file
+        return unpatchify_pack(pixels, grid_hws)
 
     def _check_common(self) -> None:
         _check_positive_int("patch_size", self.patch_size)
