@@ -416,3 +416,33 @@ def test_errors_name_the_file_and_the_setting(tmp_path: Path) -> None:
         SIGLIP2_RULES.for_config(ClassicViTConfig(**TINY), "naflex", crop_size=(3, 3))
     with pytest.raises(ValueError, match="image size must be positive"):
         NaFlexImageProcessor().plan_image(0, 5)
+
+
+def test_a_saved_tower_keeps_its_familys_rules(tmp_path):
+    """A SigLIP2 or DINOv2 tower saved in the classic ViT's own format (``model_type classic_vit``, its
+    ``family`` recorded) is read by its family's rules, by the commands and by name: NaFlex's for SigLIP2,
+    DINOv2's ImageNet statistics for DINOv2, not the classic ViT's rules and 0.5 / 0.5."""
+    from transformers import Dinov2Config, Dinov2Model, Siglip2VisionConfig, Siglip2VisionModel
+
+    from moonvit import MoonViT
+    from moonvit.encode import checkpoint_processors
+
+    small = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    Siglip2VisionModel(
+        Siglip2VisionConfig(**small, intermediate_size=64, num_patches=16, patch_size=8)
+    ).save_pretrained(tmp_path / "siglip2")
+    Dinov2Model(Dinov2Config(**small, image_size=28, patch_size=14)).save_pretrained(tmp_path / "dinov2")
+    for name, rule in (("siglip2", "naflex"), ("dinov2", "dinov2")):
+        tower = MoonViT.from_pretrained(tmp_path / name)
+        tower.save_pretrained(tmp_path / f"{name}-own")
+        saved = json.loads((tmp_path / f"{name}-own" / "config.json").read_text())
+        assert (saved["model_type"], saved["family"]) == ("classic_vit", name)
+        theirs = checkpoint_processors(tmp_path / name, tower.config).image
+        ours = checkpoint_processors(tmp_path / f"{name}-own", MoonViT.from_pretrained(tmp_path / f"{name}-own").config)
+        assert ours.image.describe() == theirs.describe()
+        assert (
+            processor_for(tmp_path / f"{name}-own", rule).describe() == processor_for(tmp_path / name, rule).describe()
+        )
+    siglip2 = MoonViT.from_pretrained(tmp_path / "siglip2-own").config
+    assert "NaFlex" in checkpoint_processors(tmp_path / "siglip2-own", siglip2).image.describe()
+    assert "0.485/0.456/0.406" in checkpoint_processors(tmp_path / "dinov2-own", tower.config).image.describe()

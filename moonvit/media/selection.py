@@ -75,14 +75,22 @@ def _moonvit_processor(path: Path, rule: str | None, **overrides: Any) -> MoonVi
 
 def _family_of(folder: Path) -> tuple[str, tuple[str, ...]] | None:
     """(name, rule names) of the registered family whose ``config.json`` the folder holds; None
-    when none claims it, or the folder has no ``config.json``."""
-    from ..families import find_family  # the families build on the media and weights packages
+    when none claims it, or the folder has no ``config.json``. A tower saved in its config class's own
+    format names the family it was read as (``family``: a SigLIP2 or DINOv2 tower saved as a
+    ``classic_vit`` folder), and that family's rules are its rules."""
+    from ..families import family_named, find_family  # the families build on the media and weights packages
 
     file = folder / "config.json"
     if not file.is_file():
         return None
-    family = find_family(read_json(file))
-    return None if family is None else (family.name, family.processors)
+    values = read_json(file)
+    family = find_family(values)
+    if family is None:
+        return None
+    recorded = values.get("family")
+    if isinstance(recorded, str) and recorded and "family" in getattr(family.config_type, "__dataclass_fields__", {}):
+        family = family_named(recorded)
+    return family.name, family.processors
 
 
 def _fetch_files(snapshot: HubSnapshot) -> None:

@@ -58,6 +58,7 @@ def dinov2_config(size: str, registers: int = 0, **overrides: Any) -> ClassicViT
         num_register_tokens=registers,
         pool="token",
         pos_emb_rule="timm" if registers else "transformers-f32",
+        family="dinov2",
     )
     return ClassicViTConfig(**{**fields, **overrides})
 
