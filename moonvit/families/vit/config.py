@@ -17,8 +17,6 @@ POS_EMB_RULES = ("transformers", "transformers-f32", "timm", "jax", "naflex")
 
 - ``transformers``: ``interpolate_pos_encoding``: bicubic, ``align_corners=False``, no antialias,
   in the table's dtype; the table unchanged at its native square grid.
-- ``timm``: ``resample_abs_pos_embed``: bicubic with ``antialias=True`` (PIL's cubic kernel,
-  a = -0.5, whether the grid grows or shrinks), computed in float32.
 - ``transformers-f32``: ``Dinov2Model``'s: the same bicubic, computed in float32.
 - ``timm``: ``resample_abs_pos_embed``: bicubic with ``antialias=True`` (PIL's cubic kernel,
   a = -0.5, whether the grid grows or shrinks), computed in float32; also transformers'
