@@ -36,7 +36,8 @@ from typing import Any
 from ...weights.config_keys import warn_unread_keys
 from ...weights.formats import TensorLayoutError, TensorSource
 from ..vit.config import ClassicViTConfig
-from ..vit.formats import ViTLayout, _input_size, _single
+from ..vit.formats import ViTLayout
+from ..vit.readers import check_timm_size, square_int, timm_arguments, timm_fields
 from .config import IMAGE_SIZE, LAYER_NORM_EPS, SIZES, SWIGLU_SIZES, swiglu_hidden_size
 
 # transformers' model types: the table rule of each, and the defaults of its config class.
@@ -122,8 +123,8 @@ def _read_transformers(
         "hidden_size": values.get("hidden_size", 768),
         "num_hidden_layers": values.get("num_hidden_layers", 12),
         "num_attention_heads": values.get("num_attention_heads", 12),
-        "image_size": _single(values.get("image_size", 224), "image_size"),
-        "patch_size": _single(values.get("patch_size", _DEFAULT_PATCH[model_type]), "patch_size"),
+        "image_size": square_int(values.get("image_size", 224), "image_size"),
+        "patch_size": square_int(values.get("patch_size", _DEFAULT_PATCH[model_type]), "patch_size"),
         "num_channels": values.get("num_channels", 3),
     }
     width = fields["hidden_size"]
@@ -233,13 +234,7 @@ class Dinov2Layout:
 
 
 def _read_timm(values: dict[str, Any], where: Path, names: Collection[str]) -> tuple[ClassicViTConfig, ViTLayout]:
-    architecture = values["architecture"]
-    match = _TIMM_ARCH.match(architecture)
-    assert match is not None  # claims() matched it
-    warn_unread_keys(where, values, _TIMM_KEYS)
-    args = values.get("model_args") or {}
-    if not isinstance(args, dict):
-        raise ValueError(f"model_args is a {type(args).__name__}, not an object")
+    match, args = timm_arguments(values, where, _TIMM_ARCH, _TIMM_KEYS)
     unknown = sorted(set(args) - set(_TIMM_ARGS) - _TIMM_READ - _TIMM_HARMLESS - set(_TIMM_UNBUILT))
     if unknown:
         raise ValueError(
@@ -252,17 +247,13 @@ def _read_timm(values: dict[str, Any], where: Path, names: Collection[str]) -> t
     if global_pool not in ("token", ""):
         raise ValueError(f"global_pool {global_pool!r} is not supported (DINOv2's towers pool the CLS token)")
     size = match["size"]
-    if size not in SIZES and not {"embed_dim", "depth", "num_heads"} <= set(args):
-        raise ValueError(
-            f"architecture {architecture!r}: the size {size!r} is not one of {', '.join(SIZES)}; "
-            "give embed_dim, depth and num_heads in model_args"
-        )
+    check_timm_size(values["architecture"], size, SIZES, args)
     width, depth, heads = SIZES.get(size, (0, 0, 0))
     registers = int(match["registers"] or 0)
     pretrained = values.get("pretrained_cfg") or {}
     if not isinstance(pretrained, dict):
         raise ValueError(f"pretrained_cfg is a {type(pretrained).__name__}, not an object")
-    fields: dict[str, Any] = {
+    named = {
         "hidden_size": width,
         "num_hidden_layers": depth,
         "num_attention_heads": heads,
@@ -272,12 +263,7 @@ def _read_timm(values: dict[str, Any], where: Path, names: Collection[str]) -> t
         "num_register_tokens": registers,
         "no_embed_class": registers > 0,  # timm builds its register models so (and converts their weights)
     }
-    if pretrained.get("input_size") is not None:
-        # timm builds img_size and in_chans from it where model_args do not give them
-        fields["num_channels"], fields["image_size"] = _input_size(pretrained["input_size"])
-    fields.update({ours: args[theirs] for theirs, ours in _TIMM_ARGS.items() if theirs in args})
-    fields["image_size"] = _single(fields["image_size"], "img_size")
-    fields["patch_size"] = _single(fields["patch_size"], "patch_size")
+    fields = timm_fields(named, pretrained.get("input_size"), args, _TIMM_ARGS)
     if fields["num_register_tokens"] and not fields["no_embed_class"]:
         raise ValueError(
             "model_args give register tokens with no_embed_class false (a table row per register): "

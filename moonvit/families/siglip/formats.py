@@ -54,7 +54,7 @@ import torch
 from ...weights.config_keys import warn_unread_keys
 from ...weights.formats import TensorLayoutError, TensorSource
 from ..vit.config import ClassicViTConfig
-from ..vit.formats import _input_size, _single
+from ..vit.readers import check_timm_size, square_int, table_pixels, timm_arguments, timm_fields
 from .config import SIGLIP_FIELDS, SIZES, sized
 
 SIGLIP_TYPES = ("siglip", "siglip_vision_model")
@@ -156,8 +156,8 @@ def _transformers_config(
     )
     fields: dict[str, Any] = {key: vision.get(key, default) for key, default in _DEFAULTS.items()}
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels"):
-        fields[key] = _single(fields[key], key)
-    fields["patch_size"] = _single(fields["patch_size"], "patch_size")
+        fields[key] = square_int(fields[key], key)
+    fields["patch_size"] = square_int(fields["patch_size"], "patch_size")
     fields["layer_norm_eps"] = float(fields["layer_norm_eps"])
     if naflex:
         patches = vision.get("num_patches", 256)
@@ -166,7 +166,7 @@ def _transformers_config(
             raise ValueError(f"num_patches {patches!r} is not a square number (the table is side x side)")
         fields["image_size"] = side * fields["patch_size"]
     else:
-        fields["image_size"] = _table_pixels(_single(fields["image_size"], "image_size"), fields["patch_size"])
+        fields["image_size"] = table_pixels(square_int(fields["image_size"], "image_size"), fields["patch_size"])
     activation = vision.get("hidden_act", "gelu_pytorch_tanh")
     if activation not in _ACTIVATIONS:
         raise ValueError(f"hidden_act {activation!r} is not supported (one of {', '.join(_ACTIVATIONS)})")
@@ -277,32 +277,19 @@ def _tower_root(names: Collection[str], default: str, label: str) -> str:
 
 
 def _read_timm(values: dict[str, Any], where: Path) -> tuple[ClassicViTConfig, SiglipLayout]:
-    architecture = values["architecture"]
-    match = _TIMM_ARCH.match(architecture)
-    assert match is not None  # claims_siglip() matched it
-    warn_unread_keys(where, values, _TIMM_KEYS)
-    args = values.get("model_args") or {}
-    if not isinstance(args, dict):
-        raise ValueError(f"model_args is a {type(args).__name__}, not an object")
+    match, args = timm_arguments(values, where, _TIMM_ARCH, _TIMM_KEYS)
     warn_unread_keys(where, args, set(_TIMM_ARGS) | set(_TIMM_FIXED) | _TIMM_OTHER_ARGS)
     for key, value in _TIMM_FIXED.items():
         if key in args and args[key] != value and not (key == "fc_norm" and args[key] is None):
             raise ValueError(f"model_args {key}={args[key]!r} is not supported by the SigLIP tower (only {value!r})")
     size, patch, pixels = match["size"], int(match["patch"]), int(match["img"])
-    if size not in SIZES and not {"embed_dim", "depth", "num_heads"} <= set(args):
-        raise ValueError(
-            f"architecture {architecture!r}: the size {size!r} is not one of {', '.join(SIZES)}; "
-            "give embed_dim, depth and num_heads in model_args"
-        )
-    fields: dict[str, Any] = dict(sized(size)) if size in SIZES else {}
-    fields.update(patch_size=patch, image_size=pixels)
+    check_timm_size(values["architecture"], size, SIZES, args)
+    named: dict[str, Any] = dict(sized(size)) if size in SIZES else {}
+    named.update(patch_size=patch, image_size=pixels)
     pretrained = values.get("pretrained_cfg") or {}
     input_size = pretrained.get("input_size") if isinstance(pretrained, dict) else None
-    if input_size is not None:  # timm builds img_size and in_chans from it where model_args do not give them
-        fields["num_channels"], fields["image_size"] = _input_size(input_size)
-    fields.update({ours: args[theirs] for theirs, ours in _TIMM_ARGS.items() if theirs in args})
-    fields["patch_size"] = _single(fields["patch_size"], "patch_size")
-    fields["image_size"] = _table_pixels(_single(fields["image_size"], "img_size"), fields["patch_size"])
+    fields = timm_fields(named, input_size, args, _TIMM_ARGS)
+    fields["image_size"] = table_pixels(fields["image_size"], fields["patch_size"])
     if "embed_dim" in args or "mlp_ratio" in args or size not in SIZES:
         ratio = float(args.get("mlp_ratio", _TIMM_MLP_RATIO.get(size, 4.0)))
         fields["intermediate_size"] = int(fields["hidden_size"] * ratio)
@@ -325,14 +312,6 @@ def _read_timm(values: dict[str, Any], where: Path) -> tuple[ClassicViTConfig, S
         }
     )
     return config, SiglipLayout("timm", "")
-
-
-def _table_pixels(image_size: int, patch_size: int) -> int:
-    """The table's side in pixels: transformers and timm build (image_size // patch_size)² rows, so
-    so400m/14 at 384 px has a 27 x 27 table (378 px; their convolution drops the last 6 pixels)."""
-    if image_size < patch_size:
-        raise ValueError(f"image_size {image_size} is smaller than patch_size {patch_size}")
-    return image_size // patch_size * patch_size
 
 
 def _timm_activation(size: str, patch: int, pixels: int) -> str:

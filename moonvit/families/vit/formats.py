@@ -27,6 +27,7 @@ from typing import Any
 from ...weights.config_keys import warn_unread_keys
 from ...weights.formats import TensorSource
 from .config import SIZES, ClassicViTConfig
+from .readers import check_timm_size, square_int, timm_arguments, timm_fields
 
 # Keys of a transformers ViT / DeiT config.json this package reads, and those it knows change nothing
 # here (dropouts, initialisation, the masked-image-modelling stride, the labels' names).
@@ -97,7 +98,7 @@ def _read_transformers(values: dict[str, Any], where: Path, names: set[str]) -> 
     if head and labels:
         num_classes = len(labels)
     fields: dict[str, Any] = {
-        key: _single(values[key], key)
+        key: square_int(values[key], key)
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "image_size",
                     "patch_size", "num_channels")
         if key in values
@@ -117,35 +118,8 @@ def _read_transformers(values: dict[str, Any], where: Path, names: set[str]) -> 
     return config, ViTLayout("transformers", "", base, teacher)
 
 
-def _single(value: Any, key: str) -> int:
-    """transformers allows a pair for image_size and patch_size; the classic ViT's are square."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != 2 or value[0] != value[1]:
-            raise ValueError(f"{key} {value!r}: only square sizes are supported")
-        value = value[0]
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{key} must be an int, got {value!r}")
-    return value
-
-
-def _input_size(value: Any) -> tuple[int, int]:
-    """timm's ``pretrained_cfg`` ``input_size`` (C, H, W): the channels and the (square) side."""
-    if not isinstance(value, (list, tuple)) or len(value) != 3:
-        raise ValueError(f"pretrained_cfg input_size {value!r} is not [channels, height, width]")
-    channels, height, width = value
-    if height != width:
-        raise ValueError(f"pretrained_cfg input_size {value!r}: only square sizes are supported")
-    return _single(channels, "pretrained_cfg input_size channels"), _single(height, "pretrained_cfg input_size")
-
-
 def _read_timm(values: dict[str, Any], where: Path, names: set[str]) -> tuple[ClassicViTConfig, ViTLayout]:
-    architecture = values["architecture"]
-    match = _TIMM_ARCH.match(architecture)
-    assert match is not None  # claims() matched it
-    warn_unread_keys(where, values, _TIMM_KEYS)
-    args = values.get("model_args") or {}
-    if not isinstance(args, dict):
-        raise ValueError(f"model_args is a {type(args).__name__}, not an object")
+    match, args = timm_arguments(values, where, _TIMM_ARCH, _TIMM_KEYS)
     for key, default in _TIMM_UNBUILT.items():
         if key in args and args[key] != default and key != "class_token":
             raise ValueError(f"model_args {key}={args[key]!r} is not supported by the classic-ViT tower")
@@ -156,15 +130,11 @@ def _read_timm(values: dict[str, Any], where: Path, names: set[str]) -> tuple[Cl
             "only 'token' folders load)"
         )
     size = match["size"]
-    if size not in SIZES and not {"embed_dim", "depth", "num_heads"} <= set(args):
-        raise ValueError(
-            f"architecture {architecture!r}: the size {size!r} is not one of {', '.join(SIZES)}; "
-            "give embed_dim, depth and num_heads in model_args"
-        )
+    check_timm_size(values["architecture"], size, SIZES, args)
     width, depth, heads = SIZES.get(size, (0, 0, 0))
     pretrained = values.get("pretrained_cfg") or {}
     input_size = pretrained.get("input_size") if isinstance(pretrained, dict) else None
-    fields: dict[str, Any] = {
+    named = {
         "hidden_size": width,
         "num_hidden_layers": depth,
         "num_attention_heads": heads,
@@ -172,12 +142,7 @@ def _read_timm(values: dict[str, Any], where: Path, names: set[str]) -> tuple[Cl
         "image_size": int(match["img"]),
         "num_classes": int(values.get("num_classes", 1000)),
     }
-    if input_size is not None:
-        # timm builds img_size and in_chans from it where model_args do not give them
-        fields["num_channels"], fields["image_size"] = _input_size(input_size)
-    fields.update({ours: args[theirs] for theirs, ours in _TIMM_ARGS.items() if theirs in args})
-    fields["image_size"] = _single(fields["image_size"], "img_size")
-    fields["patch_size"] = _single(fields["patch_size"], "patch_size")
+    fields = timm_fields(named, input_size, args, _TIMM_ARGS)
     mlp_ratio = float(args.get("mlp_ratio", 4.0))
     fields["intermediate_size"] = int(fields["hidden_size"] * mlp_ratio)
     distilled = match["distilled"] is not None
