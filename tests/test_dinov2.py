@@ -413,6 +413,10 @@ def test_timm_names_give_the_released_sizes_and_their_tables():
     values = {"architecture": "vit_large_patch14_reg4_dinov2.lvd142m", "model_args": {"img_size": 224}}
     config, _ = find_family(values).read(values, Path("config.json"), ())  # type: ignore[union-attr]
     assert config.grid_side == 16 and config.num_classes == 0
+    # ... and at 384 px: timm's img_size // patch = 27 patches per side (378 px), the rest cut off
+    values = {"architecture": "vit_large_patch14_reg4_dinov2.lvd142m", "model_args": {"img_size": 384}}
+    config, _ = find_family(values).read(values, Path("config.json"), ())  # type: ignore[union-attr]
+    assert (config.grid_side, config.image_size) == (27, 378)
 
 
 # ---- what the loader reads and refuses -----------------------------------------------------------

@@ -20,7 +20,8 @@
   ls1.gamma, norm2, mlp.fc1, mlp.fc2, ls2.gamma}``, ``norm``, ``head``). The size comes from the name
   (``giant``: SwiGLU, timm's ``SwiGLUPacked`` ``fc1`` giving [gate | up]), ``model_args`` overriding;
   the table is 518 px (37 x 37 at patch 14) unless ``model_args`` ``img_size`` or
-  ``pretrained_cfg`` ``input_size`` say otherwise (Prismatic's towers are built at 224 px: 16 x 16);
+  ``pretrained_cfg`` ``input_size`` say otherwise (Prismatic's towers are built at 224 px: 16 x 16),
+  ``img_size // patch`` patches per side as timm builds it (384 px at patch 14: 27 x 27, 378 px);
   the register models have no table row for the CLS token (``no_embed_class``); LayerNorm eps 1e-6
   and LayerScale always; the table resampled as timm's dynamic-size forward does (``timm``).
 """
@@ -37,7 +38,7 @@ from ...weights.config_keys import warn_unread_keys
 from ...weights.formats import TensorLayoutError, TensorSource
 from ..vit.config import ClassicViTConfig
 from ..vit.formats import ViTLayout
-from ..vit.readers import check_timm_size, square_int, timm_arguments, timm_fields
+from ..vit.readers import check_timm_size, square_int, table_pixels, timm_arguments, timm_fields
 from .config import IMAGE_SIZE, LAYER_NORM_EPS, SIZES, SWIGLU_SIZES, swiglu_hidden_size
 
 # transformers' model types: the table rule of each, and the defaults of its config class.
@@ -264,6 +265,7 @@ def _read_timm(values: dict[str, Any], where: Path, names: Collection[str]) -> t
         "no_embed_class": registers > 0,  # timm builds its register models so (and converts their weights)
     }
     fields = timm_fields(named, pretrained.get("input_size"), args, _TIMM_ARGS)
+    fields["image_size"] = table_pixels(fields["image_size"], fields["patch_size"])
     if fields["num_register_tokens"] and not fields["no_embed_class"]:
         raise ValueError(
             "model_args give register tokens with no_embed_class false (a table row per register): "

@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, cast
 
 from ...model.attention import check_attn_name
+from ..dinov2 import formats as dinov2_formats
+from ..siglip import formats as siglip_formats
 from ..vit.config import ClassicViTConfig, PatchTokenConfig
 
 TOWERS = ("featurizer", "fused_featurizer")
@@ -17,23 +20,14 @@ SigLIP, in the order of the six input channels and of the output's features."""
 RESIZE_STRATEGIES = ("resize-naive", "resize-crop", "letterbox")
 """Prismatic's ``image_resize_strategy`` values (for the processor; the tower does not read it)."""
 
-# timm's VisionTransformer arguments of the towers Prismatic's fused backbones name (timm 0.9.10 to 0.9.16,
-# timm/models/vision_transformer.py): the model id without its pretrained tag -> model_args. Every other
-# argument is timm's default: qkv_bias, LayerNorm eps 1e-6, and the exact (erf) GELU; timm builds
-# vit_so400m_patch14_siglip_* with nn.GELU, not the tanh GELU of big_vision's and transformers' SigLIP,
-# and Prismatic overrides neither tower's activation (timm_override_act_layers [None, None]).
-TIMM_TOWERS: dict[str, dict[str, Any]] = {
-    "vit_large_patch14_reg4_dinov2": dict(
-        patch_size=14, embed_dim=1024, depth=24, num_heads=16, mlp_ratio=4.0, init_values=1e-5, reg_tokens=4,
-        no_embed_class=True, class_token=True, global_pool="token",
-    ),
-    "vit_so400m_patch14_siglip_224": dict(
-        patch_size=14, embed_dim=1152, depth=27, num_heads=16, mlp_ratio=3.7362, class_token=False, global_pool="map",
-    ),
-    "vit_so400m_patch14_siglip_384": dict(
-        patch_size=14, embed_dim=1152, depth=27, num_heads=16, mlp_ratio=3.7362, class_token=False, global_pool="map",
-    ),
-}  # fmt: skip
+TIMM_TOWERS = ("vit_large_patch14_reg4_dinov2", "vit_so400m_patch14_siglip_224", "vit_so400m_patch14_siglip_384")
+"""The timm towers Prismatic's fused backbones name (timm 0.9.10 to 0.9.16), without their pretrained tags.
+
+Each is read as its family reads a timm folder of that architecture (:mod:`moonvit.families.dinov2.formats`,
+:mod:`moonvit.families.siglip.formats`): the sizes timm's ``VisionTransformer`` gets from the name, qkv
+biases, LayerNorm eps 1e-6 and, for SigLIP so400m/14, the exact (erf) GELU that timm builds it with (not
+the tanh GELU of big_vision's and transformers' SigLIP); Prismatic overrides neither tower's activation
+(``timm_override_act_layers`` [None, None])."""
 TIMM_SIZE_ARGS = ("patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "reg_tokens")
 """The model_args a folder may give over a tower's (``timm_model_args``, as timm's own ``model_args``)."""
 
@@ -42,41 +36,24 @@ def timm_tower(model_id: str, image_size: int, overrides: Mapping[str, Any] | No
     """The tower timm builds for ``timm.create_model(model_id, num_classes=0, img_size=image_size)``.
 
     ``model_id`` may carry its pretrained tag (``vit_large_patch14_reg4_dinov2.lvd142m``); ``overrides``
-    replace the size arguments (:data:`TIMM_SIZE_ARGS`).
+    replace the size arguments (:data:`TIMM_SIZE_ARGS`). timm's grid is ``image_size // patch`` per side,
+    the rest of the image cut off by the strided convolution (384 px at patch 14: 27 x 27 patches, 378 px
+    read). The config records the tower's family (``dinov2``, ``siglip``).
 
     Raises:
         ValueError: a model id that is not one of :data:`TIMM_TOWERS`, an override of another argument.
     """
     if not isinstance(model_id, str) or model_id.split(".")[0] not in TIMM_TOWERS:
         raise ValueError(f"timm model {model_id!r} is not a tower this package builds ({', '.join(TIMM_TOWERS)})")
-    args = dict(TIMM_TOWERS[model_id.split(".")[0]])
     extra = sorted(set(overrides or {}) - set(TIMM_SIZE_ARGS))
     if extra:
         raise ValueError(
             f"timm_model_args for {model_id}: {', '.join(extra)} not read (only {', '.join(TIMM_SIZE_ARGS)})"
         )
-    args.update(overrides or {})
-    layer_scale = args.get("init_values") is not None
-    patch = int(args["patch_size"])
-    return ClassicViTConfig(
-        patch_size=patch,
-        # timm's grid is image_size // patch per side, the rest of the image cut off by the strided
-        # convolution (384 px at patch 14: 27 x 27 patches, 378 px read)
-        image_size=int(image_size) // patch * patch,
-        hidden_size=int(args["embed_dim"]),
-        num_hidden_layers=int(args["depth"]),
-        num_attention_heads=int(args["num_heads"]),
-        intermediate_size=int(args["embed_dim"] * args["mlp_ratio"]),  # timm's int(dim * mlp_ratio)
-        layer_norm_eps=1e-6,
-        class_token=bool(args["class_token"]),
-        pool=str(args["global_pool"]),
-        num_register_tokens=int(args.get("reg_tokens", 0)),
-        no_embed_class=bool(args.get("no_embed_class", False)),
-        layer_scale=layer_scale,
-        layer_scale_init=float(args["init_values"]) if layer_scale else 1e-5,
-        hidden_act="gelu",
-        pos_emb_rule="timm",
-    )
+    values = {"architecture": model_id, "model_args": {**(overrides or {}), "img_size": image_size}}
+    read = dinov2_formats.read if dinov2_formats.claims(values) else siglip_formats.read_siglip
+    config, _ = read(values, Path(model_id), ())
+    return config
 
 
 def _dinov2() -> ClassicViTConfig:
