@@ -24,6 +24,7 @@ from .classic import (
     EncoderConfig,
     classic_processor,
     classic_tower,
+    follow_table,
     is_classic,
     processor_of,
     select_trainable_classic,
@@ -70,6 +71,7 @@ def build_encoder(config: TrainConfig) -> tuple[Encoder, MoonViTImageProcessor]:
                 )
             if isinstance(loaded, ClassicViT):
                 encoder = classic_tower(model, loaded)
+                processor = follow_table(processor, loaded.config, encoder.config)  # --image-size
             else:
                 _refuse_image_size(model, f"--checkpoint {model.checkpoint}")
                 encoder = MoonViT(dataclasses.replace(loaded.config, drop_path_rate=model.drop_path))

@@ -5,10 +5,12 @@ What differs from a MoonViT tower, in one place:
 - **where it comes from**: a preset of :data:`~moonvit.families.vit.PRESETS` (``--preset vit-tiny``,
   its shape overridable by ``--depth`` / ``--width`` / ``--heads`` / ``--mlp-width``) or any folder
   the package reads as one (transformers', timm's, this package's own);
-- **its normalisation**: the folder's own mean and std (transformers' ``preprocessor_config.json``,
-  timm's ``pretrained_cfg``), else the preset's (ImageNet's for DeiT, 0.5 for the ViT paper's), on
-  16 px patches with no merger: the trainer's images are cut into ``patch_size`` squares and the
-  plan rounds sizes to whole patches (merge kernel 1x1);
+- **its processor**: a folder's is the one the commands read it with
+  (:func:`moonvit.encode.checkpoint_processors`: its family's default rule, NaFlex's for SigLIP2, the
+  native rule with the folder's normalisation for the others, ImageNet's where a DINOv2 folder has no
+  file), a preset's the native rule with the preset's mean and std (ImageNet's for DeiT, 0.5 for the
+  ViT paper's); the trainer's images are cut into ``patch_size`` squares with no merger and the plan
+  rounds sizes to whole patches (merge kernel 1x1);
 - **the higher-resolution fine-tune** (``--image-size``; ViT paper §6.3 / DeiT): the 1D table is
   resampled once, by the tower's own rule, to the new native grid, which the saved checkpoint keeps;
 - **its classifier**: the tower's own head(s) when it has them, refitted to the dataset's classes
@@ -32,11 +34,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from moonvit import CheckpointError, MoonViT, MoonViTConfig, MoonViTImageProcessor
+from moonvit import MoonViT, MoonViTConfig, MoonViTImageProcessor
+from moonvit.encode import checkpoint_processors
 from moonvit.families.vit import PRESETS as CLASSIC_PRESETS
 from moonvit.families.vit import ClassicViT, ClassicViTConfig, classic_vit_config
 from moonvit.families.vit.processor import NativeViTImageProcessor
-from moonvit.weights.storage import read_json
 
 if TYPE_CHECKING:
     from .config import ModelSection
@@ -51,6 +53,7 @@ __all__ = [
     "ClassicViT",
     "classic_processor",
     "classic_tower",
+    "follow_table",
     "TOKEN_NAMES",
     "fit_heads",
     "freeze_unread",
@@ -135,11 +138,31 @@ def resize_table(tower: ClassicViT, image_size: int) -> None:
 
 
 def classic_processor(config: ClassicViTConfig, folder: str | None = None, preset: str | None = None) -> Any:
-    """The processor the trainer renders a classic ViT's images with, and saves beside its checkpoint: the
-    tower's native rule (``patch_size`` patches, no merger, no padding) with the checkpoint's (or the
-    preset's) mean and std."""
-    mean, std = _normalisation(folder, preset)
-    return NativeViTImageProcessor(patch_size=config.patch_size, image_mean=mean, image_std=std)
+    """The processor the trainer renders a classic ViT's images with, and saves beside its checkpoint.
+
+    A folder's (or hub id's) is the commands' choice, :func:`moonvit.encode.checkpoint_processors`: its
+    family's default rule (SigLIP2's NaFlex; the native rule for the classic ViT, SigLIP and DINOv2) with the
+    folder's own normalisation and filter, else the rule's (ImageNet's for DINOv2). A preset has no files: the
+    native rule (``patch_size`` patches, no merger, no padding) with the preset's mean and std (0.5 but for
+    :data:`PRESET_NORMALISATION`).
+
+    Raises:
+        CheckpointError: the folder's processor files cannot be read.
+    """
+    if folder is None:
+        mean, std = PRESET_NORMALISATION.get(preset or "", ((0.5,) * 3, (0.5,) * 3))
+        return NativeViTImageProcessor(patch_size=config.patch_size, image_mean=mean, image_std=std)
+    return checkpoint_processors(folder, config).image
+
+
+def follow_table(processor: Any, before: ClassicViTConfig, after: ClassicViTConfig) -> Any:
+    """``processor`` for the tower ``--image-size`` resampled from ``before``'s table to ``after``'s: the
+    native rule's patch budget keeps its multiple of the native grid (4 x 4 x 4 patches at 64 px, patch 16,
+    become 4 x 6 x 6 at 96 px); other rules unchanged (NaFlex's budget is not the table's)."""
+    if not isinstance(processor, NativeViTImageProcessor) or before.grid_side == after.grid_side:
+        return processor
+    budget = processor.in_token_limit * after.grid_side**2 // before.grid_side**2
+    return dataclasses.replace(processor, in_token_limit=max(1, budget))
 
 
 def processor_of(tower: Any, folder: str | Path | None, preset: str | None = None) -> MoonViTImageProcessor:
@@ -152,33 +175,6 @@ def processor_of(tower: Any, folder: str | Path | None, preset: str | None = Non
     if is_classic(tower):
         return classic_processor(tower.config, None if folder is None else str(folder), preset)
     return MoonViTImageProcessor() if folder is None else MoonViTImageProcessor.from_pretrained(folder)
-
-
-Triple = tuple[float, float, float]
-
-
-def _normalisation(folder: str | None, preset: str | None) -> tuple[Triple, Triple]:
-    """(mean, std) of a folder's ``preprocessor_config.json`` (transformers', or this package's), else of its
-    timm ``config.json`` (``pretrained_cfg``), else of a preset, else 0.5 and 0.5."""
-    if folder is None or not Path(folder).is_dir():
-        return PRESET_NORMALISATION.get(preset or "", ((0.5,) * 3, (0.5,) * 3))
-    path = Path(folder)
-    sources: list[dict[str, Any]] = []
-    for name in ("preprocessor_config.json", "config.json"):
-        if (path / name).is_file():
-            values = read_json(path / name)
-            sources += [values, values.get("pretrained_cfg") or {}]
-    for values in sources:
-        for mean_key, std_key in (("image_mean", "image_std"), ("mean", "std")):
-            if mean_key in values and std_key in values:
-                try:
-                    mean, std = (tuple(float(v) for v in values[key]) for key in (mean_key, std_key))
-                    if len(mean) == len(std) == 3:
-                        return mean, std
-                    raise ValueError(f"{len(mean)} and {len(std)} values")
-                except (TypeError, ValueError) as error:
-                    raise CheckpointError(f"{path}: {mean_key} / {std_key} are not 3 numbers: {error}") from error
-    return (0.5,) * 3, (0.5,) * 3
 
 
 # ---- the classifier ----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ tower's own format (the trainer's head on ``pooled`` or the folder's own), exact
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -282,3 +283,49 @@ def test_a_transformers_siglip2_naflex_folder_fine_tunes_through_its_map_head(tm
     trained = loaded.state_dict()
     for name in ("attn_pool.latent", "attn_pool.mlp.fc1.weight", "blocks.0.attn.qkv.weight"):
         assert not torch.equal(source[name], trained[name]), name
+
+
+@pytest.mark.parametrize("kind", ["siglip2", "dinov2-reg"])
+def test_the_trainer_reads_a_transformers_folder_by_the_commands_processor(tmp_path, kind):
+    """A folder without a processor file: the trainer renders (normalises) and saves with the processor the commands
+    read it with (``checkpoint_processors``: NaFlex's rule for SigLIP2, the native rule with ImageNet's statistics
+    for DINOv2), not the native rule at 0.5 / 0.5; ``--image-size`` keeps the native budget's multiple of the
+    resized table (4 x 4 x 4 patches at 64 px -> 4 x 6 x 6 at 96 px)."""
+    from transformers import (
+        Dinov2WithRegistersConfig,
+        Dinov2WithRegistersModel,
+        Siglip2VisionConfig,
+        Siglip2VisionModel,
+    )
+
+    from moonvit.encode import checkpoint_processors
+    from moonvit.families.siglip import NaFlexImageProcessor
+    from moonvit.families.vit.processor import IMAGENET_MEAN, IMAGENET_STD, NativeViTImageProcessor
+    from moonvit_train.build import build_encoder
+    from moonvit_train.config import parse_args
+
+    torch.manual_seed(0)
+    folder = tmp_path / kind
+    if kind == "siglip2":
+        config = Siglip2VisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=16,
+            num_patches=16,
+        )  # fmt: skip
+        Siglip2VisionModel(config).save_pretrained(folder)
+    else:
+        config = Dinov2WithRegistersConfig(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=64, patch_size=16,
+            num_register_tokens=2,
+        )  # fmt: skip
+        Dinov2WithRegistersModel(config).save_pretrained(folder)
+    args = [*DIGITS, "--objective", "supervised", "--checkpoint", str(folder), "--steps", "1", "--out", str(tmp_path)]
+    encoder, processor = build_encoder(parse_args(args))
+    assert processor == checkpoint_processors(folder, encoder.config).image
+    if kind == "siglip2":
+        assert isinstance(processor, NaFlexImageProcessor) and processor.max_num_patches == 256
+        assert processor.image_mean == processor.image_std == (0.5,) * 3
+        return
+    assert isinstance(processor, NativeViTImageProcessor) and processor.in_token_limit == 4 * 4 * 4
+    assert (processor.image_mean, processor.image_std) == (IMAGENET_MEAN, IMAGENET_STD)
+    encoder, resized = build_encoder(parse_args([*args, "--image-size", "96"]))
+    assert encoder.config.grid_side == 6 and resized == dataclasses.replace(processor, in_token_limit=4 * 6 * 6)
