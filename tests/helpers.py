@@ -13,9 +13,10 @@ import pytest
 import torch
 import torch.nn as nn
 from PIL import Image
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from moonvit import MoonViT, MoonViTConfig, MoonViTImageProcessor, preset_config
+from moonvit.media.processor import patchify
 from moonvit.model.flex import flex_unavailable
 from moonvit_projector import MoonViTProjector, ProjectorConfig
 from moonvit_projector.export import main as export_main
@@ -190,6 +191,57 @@ def write_images(folder: Path, count: int, seed: int = 0) -> list[Path]:
         Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
         paths.append(path)
     return paths
+
+
+def normal_images(
+    grids: list[tuple[int, int]], patch: int, seed: int = 1, dtype: torch.dtype = torch.float64
+) -> list[torch.Tensor]:
+    """One (3, patch * h, patch * w) standard normal image per (h, w) grid, drawn in float64 from ``seed``,
+    then cast to ``dtype``."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(3, h * patch, w * patch, generator=generator, dtype=torch.float64).to(dtype) for h, w in grids]
+
+
+def patch_pack(images: list[torch.Tensor], patch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L, 3, p, p) patches of (3, H, W) images, each in raster order, concatenated; (N, 2) their grids."""
+    pixels = torch.cat([patchify(image, patch) for image in images])
+    grids = torch.tensor([[image.shape[1] // patch, image.shape[2] // patch] for image in images])
+    return pixels, grids
+
+
+def record_error(
+    errors: dict[str, float], key: str, actual: torch.Tensor, expected: torch.Tensor, **tolerance: float
+) -> None:
+    """Assert ``actual`` close to ``expected`` in float64 (``tolerance``: assert_close's rtol and atol) and
+    keep the largest error seen under ``key`` in ``errors`` (a module's figures)."""
+    assert actual.shape == expected.shape, (key, actual.shape, expected.shape)
+    error = float((actual.double() - expected.double()).abs().max())
+    errors[key] = max(errors.get(key, 0.0), error)
+    torch.testing.assert_close(actual.double(), expected.double(), **tolerance, msg=key)
+
+
+def rewrite_tensors(folder: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    """``folder`` with its ``model.safetensors`` rewritten after ``change`` edits its tensors in place."""
+    tensors = load_file(folder / "model.safetensors")
+    change(tensors)
+    save_file(tensors, folder / "model.safetensors")
+    return folder
+
+
+def rewrite_config(folder: Path, change: Callable[[dict], None]) -> Path:
+    """``folder`` with its ``config.json`` rewritten after ``change`` edits its values in place."""
+    values = json.loads((folder / "config.json").read_text())
+    change(values)
+    (folder / "config.json").write_text(json.dumps(values))
+    return folder
+
+
+def copied_folder(source: Path, target: Path) -> Path:
+    """A new folder ``target`` holding a copy of each file of ``source``."""
+    target.mkdir()
+    for file in source.iterdir():
+        (target / file.name).write_bytes(file.read_bytes())
+    return target
 
 
 def with_threads(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.machinery
 import itertools
-import json
 import sys
 import types
 from collections.abc import Callable
@@ -31,9 +30,17 @@ import pytest
 import scipy.ndimage
 import torch
 import torch.nn.functional as F
-from helpers import FLEX, randomise_
+from helpers import (
+    FLEX,
+    copied_folder,
+    normal_images,
+    patch_pack,
+    randomise_,
+    record_error,
+    rewrite_config,
+    rewrite_tensors,
+)
 from reference_vit import TimmViT, resample_abs_pos_embed, save_timm_folder
-from safetensors.torch import load_file, save_file
 from transformers import (
     DeiTConfig,
     DeiTForImageClassification,
@@ -66,30 +73,15 @@ for a script that runs these tests and prints them."""
 # ---- shared builders ---------------------------------------------------------------------------
 
 
-def make_images(grids: list[tuple[int, int]], seed: int = 1, dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
-    """One (3, 16 h, 16 w) normal image per (h, w) grid."""
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(3, h * PATCH, w * PATCH, generator=generator, dtype=torch.float64).to(dtype) for h, w in grids]
-
-
-def pack(images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(L, 3, p, p) patches of the images, in raster order, concatenated; (N, 2) their grids."""
-    pixels = torch.cat([patchify(image, PATCH) for image in images])
-    grids = torch.tensor([[image.shape[1] // PATCH, image.shape[2] // PATCH] for image in images])
-    return pixels, grids
-
-
 def per_image(rows: torch.Tensor, grids: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(L, D) packed patch rows -> one (h * w, D) tensor per image."""
     return rows.split([int(h) * int(w) for h, w in grids.tolist()])
 
 
 def record(key: str, actual: torch.Tensor, expected: torch.Tensor, **tolerance: float) -> None:
-    """Assert ``actual`` close to ``expected`` and keep the largest error seen under ``key``."""
-    assert actual.shape == expected.shape, (key, actual.shape, expected.shape)
-    error = float((actual.double() - expected.double()).abs().max())
-    ERRORS[key] = max(ERRORS.get(key, 0.0), error)
-    torch.testing.assert_close(actual.double(), expected.double(), **(tolerance or FLOAT64), msg=key)
+    """Assert ``actual`` close to ``expected`` (within :data:`FLOAT64` unless told) and keep the largest
+    error seen under ``key``."""
+    record_error(ERRORS, key, actual, expected, **(tolerance or FLOAT64))
 
 
 # ---- transformers ------------------------------------------------------------------------------
@@ -165,8 +157,8 @@ def test_transformers_folders_match_their_models_image_by_image(transformers_fol
     assert config.num_classes == (CLASSES if "Classification" in name else 0)
     assert config.distilled_head == name.endswith("WithTeacher")
 
-    images = make_images(GRIDS)
-    pixels, grids = pack(images)
+    images = normal_images(GRIDS, PATCH)
+    pixels, grids = patch_pack(images, PATCH)
     with torch.no_grad():
         out = ours(pixels, grids)
     assert out.last_hidden_state.shape == (len(pixels), config.hidden_size)
@@ -236,8 +228,8 @@ def test_timm_folders_match_timms_forward_image_by_image(tmp_path, case):
     assert config.num_prefix_tokens == reference.num_prefix_tokens
     assert config.distilled_head == (reference.head_dist is not None)
 
-    images = make_images(GRIDS, seed=3)
-    pixels, grids = pack(images)
+    images = normal_images(GRIDS, PATCH, seed=3)
+    pixels, grids = patch_pack(images, PATCH)
     with torch.no_grad():
         out = ours(pixels, grids)
         count = config.num_prefix_tokens
@@ -267,7 +259,7 @@ def test_timm_input_size_gives_the_channels_and_side_where_model_args_do_not(tmp
     )
     ours = MoonViT.from_pretrained(folder)
     assert (ours.config.num_channels, ours.config.image_size, ours.config.grid_side) == (1, 48, 3)
-    image = make_images([(5, 2)], seed=4)[0][:1]
+    image = normal_images([(5, 2)], PATCH, seed=4)[0][:1]
     with torch.no_grad():
         out = ours(patchify(image, PATCH), [[5, 2]])
         expected = reference(image, table_dtype=torch.float64)["tokens"]
@@ -392,8 +384,8 @@ def test_bf16_vit_classifier_within_the_references_own_bf16_error(transformers_f
     half_model = transformers_reference("ViTForImageClassification").to(torch.bfloat16)
     ours = MoonViT.from_pretrained(folder, dtype=torch.bfloat16)
     assert ours.dtype == torch.bfloat16
-    images = make_images(BF16_GRIDS, seed=5)
-    pixels, grids = pack(images)
+    images = normal_images(BF16_GRIDS, PATCH, seed=5)
+    pixels, grids = patch_pack(images, PATCH)
     with torch.no_grad():
         out = ours(pixels.to(torch.bfloat16), grids)
     mine = {"patches": out.last_hidden_state, "pooled": out.pooled, "logits": out.logits}
@@ -413,8 +405,8 @@ def test_bf16_timm_deit_distilled_within_the_references_own_bf16_error(tmp_path)
     exact_model = timm_reference("deit-distilled")
     half_model = timm_reference("deit-distilled", dtype=torch.bfloat16)
     ours = MoonViT.from_pretrained(write_timm_folder(tmp_path, "deit-distilled", exact_model), dtype=torch.bfloat16)
-    images = make_images(BF16_GRIDS, seed=6)
-    pixels, grids = pack(images)
+    images = normal_images(BF16_GRIDS, PATCH, seed=6)
+    pixels, grids = patch_pack(images, PATCH)
     with torch.no_grad():
         out = ours(pixels.to(torch.bfloat16), grids)
         mine = {
@@ -443,27 +435,6 @@ def test_bf16_timm_deit_distilled_within_the_references_own_bf16_error(tmp_path)
 
 
 # ---- what the loader refuses -------------------------------------------------------------------
-
-
-def rewrite_tensors(folder: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> Path:
-    tensors = load_file(folder / "model.safetensors")
-    change(tensors)
-    save_file(tensors, folder / "model.safetensors")
-    return folder
-
-
-def rewrite_config(folder: Path, change: Callable[[dict], None]) -> Path:
-    values = json.loads((folder / "config.json").read_text())
-    change(values)
-    (folder / "config.json").write_text(json.dumps(values))
-    return folder
-
-
-def copied_folder(source: Path, target: Path) -> Path:
-    target.mkdir()
-    for file in source.iterdir():
-        (target / file.name).write_bytes(file.read_bytes())
-    return target
 
 
 @pytest.mark.parametrize("name", ["ViTForImageClassification", "DeiTForImageClassificationWithTeacher"])
@@ -602,7 +573,7 @@ def cpu_varlen(monkeypatch) -> list[list[int]]:
 
 def test_attention_backends_agree_on_a_mixed_pack(cpu_varlen):
     model = tiny_tower()
-    pixels, grids = pack(make_images(ENGINE_GRIDS, seed=7))
+    pixels, grids = patch_pack(normal_images(ENGINE_GRIDS, PATCH, seed=7), PATCH)
     results = {}
     for backend in ("sdpa", "eager", "varlen"):
         model.set_attn_implementation(backend)
@@ -621,7 +592,7 @@ def test_attention_backends_agree_on_a_mixed_pack(cpu_varlen):
 def test_flex_agrees_with_eager_in_float32(backend):
     """flex runs in fp32, bf16 and fp16 only: against eager in float32, within float32's error."""
     model = tiny_tower(dtype=torch.float32)
-    pixels, grids = pack(make_images(ENGINE_GRIDS, seed=7, dtype=torch.float32))
+    pixels, grids = patch_pack(normal_images(ENGINE_GRIDS, PATCH, seed=7, dtype=torch.float32), PATCH)
     results = {}
     for name in ("eager", backend):
         model.set_attn_implementation(name)
@@ -660,8 +631,8 @@ def parts_reference(model: ClassicViT, image: torch.Tensor, keep: torch.Tensor |
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
 def test_dropped_patches_each_kept_patch_as_if_the_others_were_absent(backend):
     model = tiny_tower(attn_implementation=backend)
-    images = make_images(ENGINE_GRIDS, seed=8)
-    pixels, grids = pack(images)
+    images = normal_images(ENGINE_GRIDS, PATCH, seed=8)
+    pixels, grids = patch_pack(images, PATCH)
     generator = torch.Generator().manual_seed(0)
     keep = []
     for i, (h, w) in enumerate(ENGINE_GRIDS):
@@ -696,8 +667,8 @@ def grid_sizes(grids: torch.Tensor) -> list[int]:
 
 def test_hidden_states_are_patch_rows_and_the_last_normed_is_the_output():
     model = tiny_tower()
-    images = make_images(ENGINE_GRIDS, seed=9)
-    pixels, grids = pack(images)
+    images = normal_images(ENGINE_GRIDS, PATCH, seed=9)
+    pixels, grids = patch_pack(images, PATCH)
     with torch.no_grad():
         out = model(pixels, grids, output_hidden_states=True)
         assert out.hidden_states is not None and len(out.hidden_states) == model.config.num_hidden_layers + 1
@@ -721,7 +692,7 @@ def test_hidden_states_are_patch_rows_and_the_last_normed_is_the_output():
 @pytest.mark.parametrize("rule", ["transformers", "timm", "jax"])
 def test_save_and_load_back_bit_equal(tmp_path, rule):
     model = tiny_tower(pos_emb_rule=rule)
-    pixels, grids = pack(make_images(ENGINE_GRIDS, seed=10))
+    pixels, grids = patch_pack(normal_images(ENGINE_GRIDS, PATCH, seed=10), PATCH)
     model.save_pretrained(tmp_path)
     loaded = MoonViT.from_pretrained(tmp_path)
     assert isinstance(loaded, ClassicViT) and loaded.dtype == torch.float64
@@ -738,8 +709,8 @@ def test_a_resized_table_saves_and_loads_at_its_new_native_grid(tmp_path, rule):
     """``resize_position_table(96)`` on a 64 px tower: the 6x6 grid gets the table it was resampled to
     before, now stored and used as it is, in memory and loaded back."""
     model = tiny_tower(pos_emb_rule=rule)
-    images = make_images([(6, 6), (6, 6), (3, 5)], seed=11)
-    pixels, grids = pack(images)
+    images = normal_images([(6, 6), (6, 6), (3, 5)], PATCH, seed=11)
+    pixels, grids = patch_pack(images, PATCH)
     with torch.no_grad():
         before = model(pixels, grids)
         table = model.position_table(6, 6).clone()
@@ -760,7 +731,7 @@ def test_a_resized_table_saves_and_loads_at_its_new_native_grid(tmp_path, rule):
 
 def test_the_table_cache_follows_in_place_changes_of_the_table():
     model = tiny_tower()
-    pixels, grids = pack(make_images(ENGINE_GRIDS, seed=12))
+    pixels, grids = patch_pack(normal_images(ENGINE_GRIDS, PATCH, seed=12), PATCH)
     with torch.no_grad():
         first = model(pixels, grids).last_hidden_state
         second = model(pixels, grids).last_hidden_state
@@ -776,7 +747,7 @@ def test_the_table_cache_follows_in_place_changes_of_the_table():
 
 def test_gradients_reach_the_tokens_the_table_and_every_block_in_training():
     model = tiny_tower().train()
-    pixels, grids = pack(make_images(ENGINE_GRIDS, seed=13))
+    pixels, grids = patch_pack(normal_images(ENGINE_GRIDS, PATCH, seed=13), PATCH)
     out = model(pixels, grids)
     loss = out.last_hidden_state.square().mean() + out.logits.square().mean()
     loss.backward()

@@ -29,7 +29,15 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import randomise_
+from helpers import (
+    copied_folder,
+    normal_images,
+    patch_pack,
+    randomise_,
+    record_error,
+    rewrite_config,
+    rewrite_tensors,
+)
 from reference_vit import resample_abs_pos_embed
 from safetensors.torch import load_file, save_file
 from test_hub import offline, requested, write_hub_cache  # noqa: F401 (fixtures)
@@ -59,25 +67,10 @@ ERRORS: dict[str, float] = {}
 """The largest error each comparison measured, by reference and output (a script can print them)."""
 
 
-def make_images(grids: list[tuple[int, int]], seed: int = 1) -> list[torch.Tensor]:
-    """One (3, 8 h, 8 w) float64 normal image per (h, w) grid."""
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(3, h * PATCH, w * PATCH, generator=generator, dtype=torch.float64) for h, w in grids]
-
-
-def pack(images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(L, 3, p, p) patches of the images, in raster order, concatenated; (N, 2) their grids."""
-    pixels = torch.cat([patchify(image, PATCH) for image in images])
-    grids = torch.tensor([[image.shape[1] // PATCH, image.shape[2] // PATCH] for image in images])
-    return pixels, grids
-
-
 def record(key: str, actual: torch.Tensor, expected: torch.Tensor, **tolerance: float) -> None:
-    """Assert ``actual`` close to ``expected`` and keep the largest error seen under ``key``."""
-    assert actual.shape == expected.shape, (key, actual.shape, expected.shape)
-    error = float((actual.double() - expected.double()).abs().max())
-    ERRORS[key] = max(ERRORS.get(key, 0.0), error)
-    torch.testing.assert_close(actual.double(), expected.double(), **(tolerance or FLOAT64), msg=key)
+    """Assert ``actual`` close to ``expected`` (within :data:`FLOAT64` unless told) and keep the largest
+    error seen under ``key``."""
+    record_error(ERRORS, key, actual, expected, **(tolerance or FLOAT64))
 
 
 # ---- transformers ------------------------------------------------------------------------------
@@ -128,8 +121,8 @@ def check_against(
     key: str, ours: ClassicViT, run: Callable[[torch.Tensor], dict[str, torch.Tensor]], prefix: int, **tolerance: float
 ) -> None:
     """One packed call of ``ours`` over :data:`GRIDS` against ``run`` image by image."""
-    images = make_images(GRIDS)
-    pixels, grids = pack(images)
+    images = normal_images(GRIDS, PATCH)
+    pixels, grids = patch_pack(images, PATCH)
     with torch.no_grad():
         out = ours(pixels, grids)
     assert out.prefix_tokens.shape == (len(GRIDS), prefix, ours.config.hidden_size)
@@ -260,8 +253,8 @@ def test_bf16_within_the_references_own_bf16_error(transformers_folders, name):
     ours = MoonViT.from_pretrained(folder, dtype=torch.bfloat16)
     assert ours.dtype == torch.bfloat16
     prefix = 1 + registers_of(name)
-    images = make_images(BF16_GRIDS, seed=5)
-    pixels, grids = pack(images)
+    images = normal_images(BF16_GRIDS, PATCH, seed=5)
+    pixels, grids = patch_pack(images, PATCH)
     with torch.no_grad():
         out = ours(pixels.to(torch.bfloat16), grids)
     mine = {"patches": out.last_hidden_state, "prefix": out.prefix_tokens.flatten(0, 1), "pooled": out.pooled}
@@ -362,7 +355,7 @@ def test_timm_folders_give_the_transformers_models_outputs(transformers_folders,
         return
     # Dinov2Model resamples by plain bicubic, timm with antialias: the same outputs at the native grid, and
     # at every grid those of Dinov2Model with timm's resampling (in float64: the tower keeps a float64 table)
-    image = make_images([(4, 4)], seed=2)[0]
+    image = normal_images([(4, 4)], PATCH, seed=2)[0]
     with torch.no_grad():
         out = ours(patchify(image, PATCH), [[4, 4]])
     expected = transformers_outputs(reference, image)
@@ -385,7 +378,7 @@ def test_a_timm_head_reads_the_cls_row(transformers_folders, tmp_path):
     }
     ours = MoonViT.from_pretrained(write_timm_folder(tmp_path, tensors, architecture, **{**extra, "num_classes": 3}))
     assert ours.config.num_classes == 3
-    image = make_images([(3, 5)], seed=8)[0]
+    image = normal_images([(3, 5)], PATCH, seed=8)[0]
     with torch.no_grad():
         out = ours(patchify(image, PATCH), [[3, 5]])
     expected = torch.nn.functional.linear(transformers_outputs(reference, image)["pooler_output"], weight, bias)
@@ -420,27 +413,6 @@ def test_timm_names_give_the_released_sizes_and_their_tables():
 
 
 # ---- what the loader reads and refuses -----------------------------------------------------------
-
-
-def rewrite_tensors(folder: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> Path:
-    tensors = load_file(folder / "model.safetensors")
-    change(tensors)
-    save_file(tensors, folder / "model.safetensors")
-    return folder
-
-
-def rewrite_config(folder: Path, change: Callable[[dict], None]) -> Path:
-    values = json.loads((folder / "config.json").read_text())
-    change(values)
-    (folder / "config.json").write_text(json.dumps(values))
-    return folder
-
-
-def copied_folder(source: Path, target: Path) -> Path:
-    target.mkdir()
-    for file in source.iterdir():
-        (target / file.name).write_bytes(file.read_bytes())
-    return target
 
 
 def test_the_mask_token_is_ignored_and_a_folder_without_it_loads(transformers_folders, tmp_path):
@@ -566,7 +538,7 @@ def test_a_transformers_dinov2_repository_loads_by_hub_id(tmp_path, offline, req
     loaded = MoonViT.from_pretrained("facebook/dinov2-with-registers-tiny-test", dtype=torch.float64)
     assert isinstance(loaded, ClassicViT) and loaded.config.num_register_tokens == 4
     assert "model.safetensors" in requested
-    image = make_images([(3, 5)], seed=7)[0]
+    image = normal_images([(3, 5)], PATCH, seed=7)[0]
     with torch.no_grad():
         out = loaded(patchify(image, PATCH), [[3, 5]])
     record("hub/patches", out.last_hidden_state, transformers_outputs(reference, image)["tokens"][5:])

@@ -15,10 +15,14 @@ other shapes; the same rows read twice from one forward are compared bit for bit
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
-from helpers import ACROSS_SHAPES, randomise_, tiny_model
+from helpers import ACROSS_SHAPES, normal_images, patch_pack, randomise_, tiny_model
 from transformers import (
     Dinov2WithRegistersConfig,
     Dinov2WithRegistersModel,
@@ -49,16 +53,6 @@ TOWERS = {
 def tower(name: str) -> ClassicViT:
     model = ClassicViT.from_preset("vit-tiny", **TOWERS[name]).to(torch.float64)
     return randomise_(model, seed=3).eval()
-
-
-def images(patch: int, seed: int = 1) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(3, h * patch, w * patch, generator=generator, dtype=torch.float64) for h, w in GRIDS]
-
-
-def pack(pictures: list[torch.Tensor], patch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    pixels = torch.cat([patchify(picture, patch) for picture in pictures])
-    return pixels, torch.tensor([[p.shape[1] // patch, p.shape[2] // patch] for p in pictures])
 
 
 # ---- the plain reference ----------------------------------------------------------------------------
@@ -111,8 +105,8 @@ def reference_hidden(model: ClassicViT, picture: torch.Tensor) -> list[torch.Ten
 def test_vit_tower_intermediates_match_a_per_image_reference(name, norm):
     model = tower(name)
     count, patch = model.config.num_prefix_tokens, model.config.patch_size
-    pictures = images(patch)
-    pixels, grids = pack(pictures, patch)
+    pictures = normal_images(GRIDS, patch)
+    pixels, grids = patch_pack(pictures, patch)
     with torch.no_grad():
         found = intermediates(model, pixels, grids, indices=(0, 1, 2), norm=norm)
         expected = [reference_hidden(model, picture) for picture in pictures]
@@ -133,7 +127,7 @@ def test_last_block_normed_is_the_forward_s_own_output_and_indices_agree(name):
     """``indices=-1, norm=True``: the forward's own rows, bit for bit; an int n is the last n blocks,
     negative indices the same blocks as positive ones; the default is the second-to-last block."""
     model = tower(name)
-    pixels, grids = pack(images(16), 16)
+    pixels, grids = patch_pack(normal_images(GRIDS, 16), 16)
     with torch.no_grad():
         last = intermediates(model, pixels, grids, indices=(-1,), norm=True)
         out = last.output
@@ -159,11 +153,44 @@ def test_last_block_normed_is_the_forward_s_own_output_and_indices_agree(name):
 
 def test_a_tower_without_prefix_tokens_gives_empty_prefix_rows():
     model = tower("siglip-like")
-    pixels, grids = pack(images(16), 16)
+    pixels, grids = patch_pack(normal_images(GRIDS, 16), 16)
     with torch.no_grad():
         found = intermediates(model, pixels, grids, indices=(-2, -1))
     assert found.prefix_tokens is not None
     assert [tuple(t.shape) for t in found.prefix_tokens] == [(3, 0, 64), (3, 0, 64)]
+
+
+def check_hidden_states(
+    folder: Path,
+    reference: nn.Module,
+    final_norm: nn.Module,
+    patch: int,
+    seed: int,
+    indices: tuple[int, ...],
+    prefix: int,
+    close: dict[str, float],
+    **call: Any,
+) -> tuple[int, ...]:
+    """The tower read from ``folder``: its intermediates at ``indices`` on one pack of :data:`GRIDS`, raw and
+    ``norm=True``, against ``reference``'s ``hidden_states`` image by image (``call``: its other arguments).
+    Each of the reference's states is (1, prefix + h * w, D): ``prefix`` prefix rows, then the patch rows;
+    its ``final_norm`` of them is ``norm=True``'s. Returns the indices the intermediates resolved."""
+    model = ClassicViT.from_pretrained(folder).eval()
+    pictures = normal_images(GRIDS, patch, seed=seed)
+    pixels, grids = patch_pack(pictures, patch)
+    with torch.no_grad():
+        raw = intermediates(model, pixels, grids, indices=indices)
+        normed = intermediates(model, pixels, grids, indices=indices, norm=True)
+        states = [reference(pixel_values=p[None], output_hidden_states=True, **call).hidden_states for p in pictures]
+        for k, index in enumerate(raw.indices):
+            rows = [s[index][0] for s in states]
+            for found, transform in ((raw, lambda x: x), (normed, final_norm)):
+                expected = [transform(r) for r in rows]
+                assert found.prefix_tokens is not None
+                assert found.prefix_tokens[k].shape == (len(pictures), prefix, rows[0].shape[-1])
+                torch.testing.assert_close(found.patch_tokens[k], torch.cat([r[prefix:] for r in expected]), **close)
+                torch.testing.assert_close(found.prefix_tokens[k], torch.stack([r[:prefix] for r in expected]), **close)
+    return raw.indices
 
 
 def test_vit_intermediates_match_transformers_hidden_states(tmp_path):
@@ -178,23 +205,9 @@ def test_vit_intermediates_match_transformers_hidden_states(tmp_path):
     reference.set_attn_implementation("sdpa")
     randomise_(reference, seed=4).eval()
     reference.save_pretrained(tmp_path)
-    model = ClassicViT.from_pretrained(tmp_path).eval()
-    pictures = images(16, seed=5)
-    pixels, grids = pack(pictures, 16)
-    with torch.no_grad():
-        raw = intermediates(model, pixels, grids, indices=(0, 1, 2))
-        normed = intermediates(model, pixels, grids, indices=(0, 1, 2), norm=True)
-        states = [
-            reference(pixel_values=p[None], interpolate_pos_encoding=True, output_hidden_states=True).hidden_states
-            for p in pictures
-        ]
-        for k in range(3):
-            rows = [s[k][0] for s in states]
-            for found, transform in ((raw, lambda x: x), (normed, reference.layernorm)):
-                expected = [transform(r) for r in rows]
-                assert found.prefix_tokens is not None
-                torch.testing.assert_close(found.patch_tokens[k], torch.cat([r[1:] for r in expected]), **CLOSE)
-                torch.testing.assert_close(found.prefix_tokens[k], torch.stack([r[:1] for r in expected]), **CLOSE)
+    check_hidden_states(
+        tmp_path, reference, reference.layernorm, 16, 5, (0, 1, 2), 1, CLOSE, interpolate_pos_encoding=True
+    )
 
 
 def test_dinov2_intermediates_match_transformers_hidden_states(tmp_path):
@@ -209,22 +222,9 @@ def test_dinov2_intermediates_match_transformers_hidden_states(tmp_path):
     reference = randomise_(Dinov2WithRegistersModel(config).double(), seed=6)
     reference.set_attn_implementation("sdpa")
     reference.eval().save_pretrained(tmp_path)
-    model = ClassicViT.from_pretrained(tmp_path).eval()
-    pictures = images(8, seed=7)
-    pixels, grids = pack(pictures, 8)
     close = dict(rtol=0.0, atol=1e-5)
-    with torch.no_grad():
-        raw = intermediates(model, pixels, grids, indices=(0, 1, -2, -1))
-        normed = intermediates(model, pixels, grids, indices=(0, 1, -2, -1), norm=True)
-        states = [reference(pixel_values=p[None], output_hidden_states=True).hidden_states for p in pictures]
-        for k, index in enumerate(raw.indices):
-            rows = [s[index][0] for s in states]
-            for found, transform in ((raw, lambda x: x), (normed, reference.layernorm)):
-                expected = [transform(r) for r in rows]
-                assert found.prefix_tokens is not None and found.prefix_tokens[k].shape == (3, 3, 32)
-                torch.testing.assert_close(found.patch_tokens[k], torch.cat([r[3:] for r in expected]), **close)
-                torch.testing.assert_close(found.prefix_tokens[k], torch.stack([r[:3] for r in expected]), **close)
-    assert raw.indices == (0, 1, 2, 3)
+    indices = check_hidden_states(tmp_path, reference, reference.layernorm, 8, 7, (0, 1, -2, -1), 3, close)
+    assert indices == (0, 1, 2, 3)
 
 
 def test_siglip_intermediates_match_transformers_hidden_states(tmp_path):
@@ -237,21 +237,9 @@ def test_siglip_intermediates_match_transformers_hidden_states(tmp_path):
     reference = randomise_(SiglipVisionModel(config).double(), seed=8)
     reference.set_attn_implementation("sdpa")
     reference.eval().save_pretrained(tmp_path)
-    model = ClassicViT.from_pretrained(tmp_path).eval()
-    pictures = images(8, seed=9)
-    pixels, grids = pack(pictures, 8)
-    with torch.no_grad():
-        raw = intermediates(model, pixels, grids, indices=(0, 1, 2))
-        normed = intermediates(model, pixels, grids, indices=(0, 1, 2), norm=True)
-        states = [
-            reference(pixel_values=p[None], interpolate_pos_encoding=True, output_hidden_states=True).hidden_states
-            for p in pictures
-        ]
-        for k in range(3):
-            rows = [s[k][0] for s in states]
-            for found, transform in ((raw, lambda x: x), (normed, reference.post_layernorm)):
-                torch.testing.assert_close(found.patch_tokens[k], torch.cat([transform(r) for r in rows]), **CLOSE)
-                assert found.prefix_tokens is not None and found.prefix_tokens[k].shape == (3, 0, 32)
+    check_hidden_states(
+        tmp_path, reference, reference.post_layernorm, 8, 9, (0, 1, 2), 0, CLOSE, interpolate_pos_encoding=True
+    )
 
 
 # ---- MoonViT --------------------------------------------------------------------------------------------
@@ -264,7 +252,7 @@ def test_moonvit_intermediates_match_its_images_one_by_one(norm):
     grids = [(4, 6), (2, 2), (6, 4)]
     generator = torch.Generator().manual_seed(2)
     pictures = [torch.randn(3, 14 * h, 14 * w, generator=generator, dtype=torch.float64) for h, w in grids]
-    pixels, grid = pack(pictures, 14)
+    pixels, grid = patch_pack(pictures, 14)
     ln = model.final_norm
     with torch.no_grad():
         found = intermediates(model, pixels, grid, indices=(0, -2, -1), norm=norm)
@@ -285,7 +273,7 @@ def test_moonvit_intermediates_match_its_images_one_by_one(norm):
 
 def test_index_errors_are_named():
     model = tower("vit")
-    pixels, grids = pack(images(16), 16)
+    pixels, grids = patch_pack(normal_images(GRIDS, 16), 16)
     with pytest.raises(ValueError, match=r"intermediates index: 3 is out of range for 3 hidden states"):
         intermediates(model, pixels, grids, indices=(3,))
     with pytest.raises(ValueError, match=r"intermediates index: -4 is out of range .* -3 \.\. 2"):
@@ -302,7 +290,7 @@ def test_index_errors_are_named():
 
 def test_read_intermediates_refuses_an_output_without_those_hidden_states():
     model = tower("vit")
-    pixels, grids = pack(images(16), 16)
+    pixels, grids = patch_pack(normal_images(GRIDS, 16), 16)
     with torch.no_grad():
         plain = model(pixels, grids)
         two = model(pixels, grids, hidden_state_indices=(1, 2))

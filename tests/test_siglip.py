@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import randomise_
+from helpers import normal_images, patch_pack, randomise_, record_error
 from reference_vit import resample_abs_pos_embed
 from safetensors.torch import load_file, save_file
 from transformers import (
@@ -65,19 +65,6 @@ transformers'): the module's figures, for a script that runs these tests and pri
 # ---- shared builders ---------------------------------------------------------------------------
 
 
-def make_images(grids: list[tuple[int, int]], seed: int = 1) -> list[torch.Tensor]:
-    """One (3, 8 h, 8 w) float64 normal image per (h, w) grid."""
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(3, h * PATCH, w * PATCH, generator=generator, dtype=torch.float64) for h, w in grids]
-
-
-def pack(images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(L, 3, p, p) patches of the images in raster order, concatenated; (N, 2) their grids."""
-    pixels = torch.cat([patchify(image, PATCH) for image in images])
-    grids = torch.tensor([[image.shape[1] // PATCH, image.shape[2] // PATCH] for image in images])
-    return pixels, grids
-
-
 def naflex_patches(image: torch.Tensor) -> torch.Tensor:
     """(h * w, p * p * C): SigLIP2's processor's patches, each flattened as (row, column, channel)."""
     return patchify(image, PATCH).permute(0, 2, 3, 1).flatten(1)
@@ -85,10 +72,7 @@ def naflex_patches(image: torch.Tensor) -> torch.Tensor:
 
 def record(key: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Assert ``actual`` within :data:`FLOAT64` of ``expected`` and keep the largest error seen under ``key``."""
-    assert actual.shape == expected.shape, (key, actual.shape, expected.shape)
-    error = float((actual.double() - expected.double()).abs().max())
-    ERRORS[key] = max(ERRORS.get(key, 0.0), error)
-    torch.testing.assert_close(actual.double(), expected.double(), **FLOAT64, msg=key)
+    record_error(ERRORS, key, actual, expected, **FLOAT64)
 
 
 def rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -180,7 +164,7 @@ def siglip2_outputs(
 
 def check_outputs(ours: ClassicViT, key: str, expected: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
     """The packed call over :data:`GRIDS` against each image's expected (rows, pooled)."""
-    pixels, grids = pack(make_images(GRIDS))
+    pixels, grids = patch_pack(normal_images(GRIDS, PATCH), PATCH)
     with torch.no_grad():
         out = ours(pixels, grids)
     dim = ours.config.hidden_size
@@ -207,7 +191,7 @@ def test_siglip_folders_match_transformers_image_by_image(transformers_folders, 
         "gelu_tanh",
         0,
     )
-    expected = [siglip_outputs(reference, image) for image in make_images(GRIDS)]
+    expected = [siglip_outputs(reference, image) for image in normal_images(GRIDS, PATCH)]
     check_outputs(ours, f"{name}/{backend}", expected)
 
 
@@ -218,7 +202,7 @@ def test_siglip2_folders_match_transformers_image_by_image_and_padded(transforme
     ours = MoonViT.from_pretrained(folder, dtype=torch.float64, attn_implementation=backend)
     assert isinstance(ours, ClassicViT) and ours.config.pos_emb_rule == "naflex" and ours.config.grid_side == SIDE
     assert ours.config.family == "siglip2"
-    images = make_images(GRIDS)
+    images = normal_images(GRIDS, PATCH)
     check_outputs(ours, f"{name}/{backend}", [siglip2_outputs(reference, [image])[0] for image in images])
     check_outputs(ours, f"{name}/{backend}/padded-batch", siglip2_outputs(reference, images))
 
@@ -235,7 +219,7 @@ def test_a_full_model_builds_the_tower_its_vision_model_builds(transformers_fold
 @pytest.mark.parametrize("name", ["SiglipVisionModel", "Siglip2VisionModel"])
 def test_bf16_within_transformers_own_bf16_error(transformers_folders, name):
     reference, folder = transformers_folders[name]
-    images = make_images(GRIDS)
+    images = normal_images(GRIDS, PATCH)
     naflex = name.startswith("Siglip2")
 
     def run(model: PreTrainedModel) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -247,7 +231,7 @@ def test_bf16_within_transformers_own_bf16_error(transformers_folders, name):
     exact = run(reference)
     theirs = run(transformers_reference(name).to(torch.bfloat16))
     ours = MoonViT.from_pretrained(folder, dtype=torch.bfloat16)
-    pixels, grids = pack(images)
+    pixels, grids = patch_pack(images, PATCH)
     with torch.no_grad():
         out = ours(pixels.to(torch.bfloat16), grids)
     assert out.last_hidden_state.dtype == torch.bfloat16
@@ -378,8 +362,8 @@ def test_timm_folders_match_transformers_up_to_the_table_rule(tmp_path, architec
     assert ours.config.hidden_act == ("gelu_tanh" if act == "gelu_pytorch_tanh" else "gelu")
     assert ours.config.layer_norm_eps == 1e-6 and ours.config.intermediate_size == VISION["intermediate_size"]
 
-    images = make_images(GRIDS, seed=2)
-    pixels, grids = pack(images)
+    images = normal_images(GRIDS, PATCH, seed=2)
+    pixels, grids = patch_pack(images, PATCH)
     with torch.no_grad():
         out = ours(pixels, grids)
     lengths = [int(h) * int(w) for h, w in grids.tolist()]
@@ -399,7 +383,7 @@ def test_timm_s_table_rule_is_not_transformers_at_other_grids(tmp_path):
     """The float64 comparisons above tell the two rules apart: timm's antialiased float32 bicubic is far from
     transformers' plain bicubic on a non-native grid (so a wrong rule could not pass them)."""
     reference = randomise_(SiglipVisionModel(siglip_vision()).double(), 3).eval()
-    image = make_images([(6, 5)])[0]
+    image = normal_images([(6, 5)], PATCH)[0]
     timm_rows, _ = timm_table_outputs(reference, image)
     transformers_rows, _ = siglip_outputs(reference, image)
     assert (timm_rows - transformers_rows).abs().max() > 1e-2
@@ -623,7 +607,7 @@ def test_a_loaded_tower_saves_and_reloads_as_the_same_tower(transformers_folders
     # the family it was read as travels in the saved config: the commands still ask SigLIP's spec
     assert family_of(again.config).name == ("siglip2" if name.startswith("Siglip2") else "siglip")  # type: ignore[union-attr]
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), tower.state_dict().values()))
-    pixels, grids = pack(make_images(GRIDS[:3]))
+    pixels, grids = patch_pack(normal_images(GRIDS[:3], PATCH), PATCH)
     with torch.no_grad():
         assert torch.equal(again(pixels, grids).pooled, tower(pixels, grids).pooled)
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import randomise_
+from helpers import normal_images, patch_pack, randomise_
 from safetensors.torch import load_file, save_file
-from test_siglip import GRIDS, PATCH, SIDE, VISION, make_images, pack
+from test_siglip import GRIDS, PATCH, SIDE, VISION
 from transformers import (
     Gemma3Config,
     Gemma3ForConditionalGeneration,
@@ -126,8 +126,8 @@ def record(key: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
 def check_parity(ours: ClassicViT, reference: PreTrainedModel, key: str) -> None:
     """One packed call over :data:`GRIDS` against the reference tower image by image: patch rows, and
     pooled (the MAP head's output, or the mean of the patch rows without a head)."""
-    images = make_images(GRIDS)
-    pixels, grids = pack(images)
+    images = normal_images(GRIDS, PATCH)
+    pixels, grids = patch_pack(images, PATCH)
     with torch.no_grad():
         out = ours(pixels, grids)
     lengths = [h * w for h, w in grids.tolist()]
