@@ -193,6 +193,18 @@ def write_images(folder: Path, count: int, seed: int = 0) -> list[Path]:
     return paths
 
 
+def noise_pngs(folder: Path) -> list[Path]:
+    """Five noise PNGs in ``folder``, sized for 16 px patches: one of a whole patch grid (64 x 48), three of
+    other sizes (50 x 70, 33 x 17, 90 x 40) and one under a patch (12 x 9)."""
+    rng = np.random.default_rng(0)
+    paths = []
+    for i, (width, height) in enumerate([(64, 48), (50, 70), (33, 17), (90, 40), (12, 9)]):
+        path = folder / f"img{i}.png"
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
+        paths.append(path)
+    return paths
+
+
 def normal_images(
     grids: list[tuple[int, int]], patch: int, seed: int = 1, dtype: torch.dtype = torch.float64
 ) -> list[torch.Tensor]:
@@ -251,6 +263,16 @@ def with_threads(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return function(*args, **kwargs)
     finally:
         torch.set_num_threads(previous)
+
+
+def on_one_thread(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``function(*args, **kwargs)`` on one torch thread, as the commands here run (``--threads 1``)."""
+
+    def call() -> T:
+        torch.set_num_threads(1)
+        return function(*args, **kwargs)
+
+    return with_threads(call)
 
 
 def run_export(*args: str | Path, threads: int = 1) -> dict:

@@ -16,8 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close_across_shapes, randomise_, run_export, tiny_model, with_threads
-from PIL import Image
+from helpers import (
+    assert_close_across_shapes,
+    noise_pngs,
+    on_one_thread,
+    randomise_,
+    run_export,
+    tiny_model,
+    with_threads,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import Dinov2WithRegistersConfig, Dinov2WithRegistersModel
@@ -62,22 +69,7 @@ def dinov2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> list[Path]:
     """Five noise images: one of a whole patch grid, others resized to one, one under a patch."""
-    folder = tmp_path_factory.mktemp("images")
-    rng = np.random.default_rng(0)
-    paths = []
-    for i, (width, height) in enumerate([(64, 48), (50, 70), (33, 17), (90, 40), (12, 9)]):
-        path = folder / f"img{i}.png"
-        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
-        paths.append(path)
-    return paths
-
-
-def one_thread(function, *args, **kwargs):
-    def call():
-        torch.set_num_threads(1)
-        return function(*args, **kwargs)
-
-    return with_threads(call)
+    return noise_pngs(tmp_path_factory.mktemp("images"))
 
 
 def direct(folder: Path, sources: list) -> tuple[MoonViTOutput, torch.Tensor]:
@@ -85,7 +77,7 @@ def direct(folder: Path, sources: list) -> tuple[MoonViTOutput, torch.Tensor]:
     tower = ClassicViT.from_pretrained(folder, dtype=torch.float32).eval()
     batch = PROCESSOR(sources)
     with torch.no_grad():
-        return one_thread(tower, batch.pixel_values, batch.grid_hws), batch.grid_hws
+        return on_one_thread(tower, batch.pixel_values, batch.grid_hws), batch.grid_hws
 
 
 # ---- python -m moonvit -------------------------------------------------------------------------------
@@ -209,7 +201,9 @@ def test_pooled_view_is_the_tower_s_pooled_output(tower, request, digits_sample)
     encoder = load_frozen_encoder(checkpoint=folder, dtype=torch.float32)
     assert "pooled" in available_views(encoder.model)
     resize = ResizePolicy(32)
-    features = one_thread(extract_features, encoder.model, encoder.processor, digits_sample, ["pooled"], resize=resize)
+    features = on_one_thread(
+        extract_features, encoder.model, encoder.processor, digits_sample, ["pooled"], resize=resize
+    )
     output, _ = direct(folder, [resize(PROCESSOR.load_image(image)) for image in digits_sample])  # the same call
     torch.testing.assert_close(features["pooled"], output.pooled, rtol=0, atol=0)
 
@@ -283,7 +277,7 @@ def test_last_blocks_features_are_dinov2_s_linear_evaluation_of_transformers_mod
     encoder = load_frozen_encoder(checkpoint=tmp_path, dtype=torch.float64)
     resize = ResizePolicy(0)
     views = ["cls-last4", "both-last4", "cls", "both"]
-    features = one_thread(extract_features, encoder.model, encoder.processor, digits_sample, views, resize=resize)
+    features = on_one_thread(extract_features, encoder.model, encoder.processor, digits_sample, views, resize=resize)
     batch = encoder.processor([encoder.processor.load_image(image) for image in digits_sample])
     pictures = [unpatchify(p, hw) for p, hw in zip(batch.pixel_values.split(batch.grid_hws.prod(1).tolist()),
                                                      batch.grid_hws.tolist())]  # fmt: skip
@@ -409,7 +403,7 @@ def test_main_job_and_export_on_transformers_folders(kind, rule, pooled, prefix,
     assert summary["pooled"] == pooled and len(summary["prefix_tokens"]) == (prefix or 0)
     batch = processor(images)
     with torch.no_grad():
-        direct_out = one_thread(tower, batch.pixel_values, batch.grid_hws)
+        direct_out = on_one_thread(tower, batch.pixel_values, batch.grid_hws)
     written = load_file(out / "pooled.safetensors")
     keys = [entry["image"] for entry in summary["images"]]
     torch.testing.assert_close(torch.stack([written[k] for k in keys]), direct_out.pooled, rtol=0, atol=0)

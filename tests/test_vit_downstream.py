@@ -14,7 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close_across_shapes, folder_bytes, run_export, tiny_model, with_threads
+from helpers import (
+    assert_close_across_shapes,
+    folder_bytes,
+    noise_pngs,
+    on_one_thread,
+    run_export,
+    tiny_model,
+    with_threads,
+)
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -63,24 +71,7 @@ def deit(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> list[Path]:
     """Five noise images: one of a whole patch grid, others padded to it, one under a patch."""
-    folder = tmp_path_factory.mktemp("images")
-    rng = np.random.default_rng(0)
-    paths = []
-    for i, (width, height) in enumerate([(64, 48), (50, 70), (33, 17), (90, 40), (12, 9)]):
-        path = folder / f"img{i}.png"
-        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
-        paths.append(path)
-    return paths
-
-
-def on_one_thread(function, *args, **kwargs):
-    """``function(*args, **kwargs)`` on one torch thread, as the commands here run (``--threads 1``)."""
-
-    def call():
-        torch.set_num_threads(1)
-        return function(*args, **kwargs)
-
-    return with_threads(call)
+    return noise_pngs(tmp_path_factory.mktemp("images"))
 
 
 def direct(folder: Path, sources: list) -> tuple[ClassicViT, MoonViTOutput, torch.Tensor]:
