@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import noise_image, our_image, their_image
 from PIL import Image
 from reference_vit import timm_eval_transform
 
@@ -32,7 +33,7 @@ from moonvit.families.vit.processor import (
     ClassicViTImageProcessor,
     NativeViTImageProcessor,
 )
-from moonvit.media import pack_images, processor_for, unpatchify
+from moonvit.media import pack_images, processor_for
 from moonvit.media.presets import describe_processors
 from moonvit.media.video import MoonViTVideoProcessor
 from moonvit.weights.storage import CheckpointError
@@ -47,11 +48,6 @@ TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermed
 MODES = ["L", "LA", "RGBA", "P", "P-transparency", "CMYK", "1", "RGB"]
 
 
-def _image(height: int, width: int, seed: int = 0) -> Image.Image:
-    rng = np.random.default_rng(seed + 7919 * height + width)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
 def _mode_image(mode: str, height: int = 37, width: int = 53) -> Image.Image:
     rng = np.random.default_rng(len(mode) * 101 + height)
     if mode == "P-transparency":
@@ -60,22 +56,11 @@ def _mode_image(mode: str, height: int = 37, width: int = 53) -> Image.Image:
         image.info["transparency"] = 7
         return image
     if mode == "P":
-        return _image(height, width).convert("P", palette=Image.Palette.ADAPTIVE)
+        return noise_image(height, width).convert("P", palette=Image.Palette.ADAPTIVE)
     if mode in ("L", "1"):
         return Image.fromarray(rng.integers(0, 256, (height, width), dtype=np.uint8)).convert(mode)
     bands = len(Image.new(mode, (1, 1)).getbands())
     return Image.fromarray(rng.integers(0, 256, (height, width, bands), dtype=np.uint8), mode)
-
-
-def _ours(processor: Any, image: Image.Image) -> torch.Tensor:
-    """One image through our processor, its patches put back together: (3, H, W) float32."""
-    batch = processor(image)
-    assert batch.pixel_values.dtype == torch.float32 and batch.grid_hws.shape == (1, 2)
-    return unpatchify(batch.pixel_values, batch.grid_hws[0].tolist())
-
-
-def _theirs(processor: Any, image: Image.Image) -> torch.Tensor:
-    return processor(image, return_tensors="pt")["pixel_values"][0]
 
 
 def _check_equal(case: str, got: torch.Tensor, expected: torch.Tensor) -> None:
@@ -121,8 +106,8 @@ def test_siglip_equals_transformers_pixel_for_pixel(case: str, tmp_path: Path) -
     ours = processor_for(_saved(tmp_path, theirs, transformers.SiglipVisionConfig(**TINY, **vision)))
     assert isinstance(ours, ClassicViTImageProcessor) and ours.rule == "siglip" and ours.crop_size is None
     for height, width in SIZES:
-        image = _image(height, width)
-        _check_equal(f"{case} {height}x{width}", _ours(ours, image), _theirs(theirs, image))
+        image = noise_image(height, width)
+        _check_equal(f"{case} {height}x{width}", our_image(ours, image), their_image(theirs, image))
 
 
 def test_siglip_at_384_px_and_patch_14_keeps_the_patches_the_convolution_reads(tmp_path: Path) -> None:
@@ -135,8 +120,10 @@ def test_siglip_at_384_px_and_patch_14_keeps_the_patches_the_convolution_reads(t
     assert isinstance(ours, ClassicViTImageProcessor) and ours.rule == "siglip"
     assert ours.grid_hw == (27, 27) and ours.plan_image(500, 300).box == (0, 0, 378, 378)
     for height, width in SIZES:
-        image = _image(height, width)
-        _check_equal(f"siglip-384-p14 {height}x{width}", _ours(ours, image), _theirs(theirs, image)[:, :378, :378])
+        image = noise_image(height, width)
+        _check_equal(
+            f"siglip-384-p14 {height}x{width}", our_image(ours, image), their_image(theirs, image)[:, :378, :378]
+        )
     assert "top-left 378x378 px kept" in ours.describe()
 
 
@@ -163,7 +150,7 @@ def test_naflex_equals_transformers_unpadded_pixel_for_pixel(budget: int, patch:
     ours = processor_for(_saved(tmp_path, theirs, config))
     assert ours == NaFlexImageProcessor(patch_size=patch, max_num_patches=budget)
     for height, width in SIZES:
-        image = _image(height, width)
+        image = noise_image(height, width)
         expected, grid = _naflex_theirs(theirs, image, patch)
         batch = ours(image)
         assert tuple(batch.grid_hws[0].tolist()) == grid == ours.plan_image(width, height).grid_hw
@@ -196,9 +183,32 @@ def test_naflex_scales_small_images_up_and_takes_the_pipeline_budget() -> None:
     (small,) = pack_images([np.zeros((480, 640, 3), np.uint8)], processor, max_patches_per_pack=100)
     assert small.items[0].plan.num_patches <= 100  # one image over the pack's budget: scaled down to fit
     assert "NaFlex" in describe_processors(processor, MoonViTVideoProcessor.for_images(processor), takes_video=False)
-    batch = processor(_image(64, 48))
+    batch = processor(noise_image(64, 48))
     (restored,) = processor.to_images(batch.pixel_values, batch.grid_hws)
     assert restored.shape == (3, 288, 224)  # 18 x 14 patches
+
+
+def test_naflex_caps_each_side_at_the_towers_side_limit() -> None:
+    """A budget over the tower's ``max_grid_side`` lets NaFlex give a thin image more patches along one side than
+    the tower takes (1 x 1000 at 1024 patches): the naflex rule caps each side at it, as the native rule does, and
+    the tower runs the image; grids within the limit are NaFlex's."""
+    from moonvit.families.vit import ClassicViT
+
+    config = ClassicViTConfig(**TINY, patch_size=16, image_size=64, class_token=False, pool="avg",
+                              pos_emb_rule="naflex", max_grid_side=40)  # fmt: skip
+    processor = SIGLIP2_RULES.for_config(config, "naflex", max_num_patches=1024)
+    assert isinstance(processor, NaFlexImageProcessor) and processor.patch_limit_on_one_side == 40
+    assert naflex_grid(16, 16000, 16, 1024) == (1, 1000)
+    assert processor.plan_image(16000, 16).grid_hw == (1, 40) and processor.plan_image(16, 16000).grid_hw == (40, 1)
+    assert processor.plan_image(16000, 16).resized_size == (640, 16)
+    assert processor.plan_image(640, 480).grid_hw == naflex_grid(480, 640, 16, 1024) == (27, 36)
+    assert "sides over 40 capped" in processor.describe()
+    batch = processor([noise_image(16, 16000), noise_image(480, 640)])
+    assert batch.grid_hws.tolist() == [[1, 40], [27, 36]]
+    tower = ClassicViT(config).eval()
+    with torch.no_grad():
+        out = tower(batch.pixel_values, batch.grid_hws)
+    assert out.last_hidden_state.shape == (40 + 27 * 36, 32)
 
 
 # ---- DINOv2: shorter side, centre crop ----------------------------------------------------------
@@ -223,8 +233,8 @@ def test_dinov2_equals_transformers_pixel_for_pixel(case: str, tmp_path: Path) -
     assert isinstance(ours, ClassicViTImageProcessor) and ours.rule == "dinov2"
     assert (ours.crop_size is None) == (case == "dinov2-no-crop")
     for height, width in SIZES:
-        image = _image(height, width)
-        _check_equal(f"{case} {height}x{width}", _ours(ours, image), _theirs(theirs, image))
+        image = noise_image(height, width)
+        _check_equal(f"{case} {height}x{width}", our_image(ours, image), their_image(theirs, image))
 
 
 def test_files_without_their_class_defaults_and_of_the_older_form(tmp_path: Path) -> None:
@@ -249,13 +259,13 @@ def test_files_without_their_class_defaults_and_of_the_older_form(tmp_path: Path
         theirs = _quiet(transformers.AutoImageProcessor.from_pretrained, folder)
         ours = _quiet(processor_for, folder)
         for height, width in [(5, 3), (300, 199), (97, 1303)]:
-            image = _image(height, width)
+            image = noise_image(height, width)
             if name == "naflex":
                 patch = theirs.patch_size
                 expected, _ = _naflex_theirs(theirs, image, patch)
                 _check_equal(f"{name} defaults {height}x{width}", ours(image).pixel_values, expected)
             else:
-                _check_equal(f"{name} defaults {height}x{width}", _ours(ours, image), _theirs(theirs, image))
+                _check_equal(f"{name} defaults {height}x{width}", our_image(ours, image), their_image(theirs, image))
 
 
 # ---- image modes ---------------------------------------------------------------------------------
@@ -273,8 +283,8 @@ def test_image_modes_equal_transformers_conversion(tmp_path: Path) -> None:
     for mode in MODES:
         image = _mode_image(mode)
         assert image.mode == mode.split("-")[0]
-        _check_equal(f"siglip {mode}", _ours(ours_siglip, image), _theirs(siglip, image))
-        _check_equal(f"dinov2 {mode}", _ours(ours_bit, image), _theirs(bit, image))
+        _check_equal(f"siglip {mode}", our_image(ours_siglip, image), their_image(siglip, image))
+        _check_equal(f"dinov2 {mode}", our_image(ours_bit, image), their_image(bit, image))
         expected, _ = _naflex_theirs(naflex, image, 16)
         _check_equal(f"naflex {mode}", ours_naflex(image).pixel_values, expected)
 
@@ -315,9 +325,9 @@ def test_timm_folders_take_timms_evaluation_transform(case: str, tmp_path: Path)
     assert isinstance(ours, ClassicViTImageProcessor) and ours.rule == "timm"
     assert ours.grid_hw == (size // patch, size // patch)
     for height, width in SIZES:
-        image = _image(height, width)
+        image = noise_image(height, width)
         expected = timm_eval_transform(image, size, 1.0, 3, pretrained["mean"], pretrained["std"])
-        _check_equal(f"timm {case} {height}x{width}", _ours(ours, image), expected)
+        _check_equal(f"timm {case} {height}x{width}", our_image(ours, image), expected)
 
 
 # ---- rules by name ---------------------------------------------------------------------------------
@@ -350,8 +360,8 @@ def test_rules_by_name(tmp_path: Path) -> None:
     assert (native_dinov2.patch_size, native_dinov2.in_token_limit, native_dinov2.image_mean) == (
         14, 4 * 37 * 37, IMAGENET_MEAN,
     )  # fmt: skip
-    image = _image(300, 199)
-    assert torch.equal(_ours(own_dinov2, image), _ours(_quiet(processor_for, dinov2, "dinov2"), image))
+    image = noise_image(300, 199)
+    assert torch.equal(our_image(own_dinov2, image), our_image(_quiet(processor_for, dinov2, "dinov2"), image))
 
     assert (SIGLIP_RULES.names, SIGLIP2_RULES.names, DINOV2_RULES.names) == (
         ("siglip", "native"), ("naflex", "siglip", "native"), ("dinov2", "native"),

@@ -109,21 +109,25 @@ def naflex_grid(height: int, width: int, patch_size: int, max_num_patches: int) 
 class NaFlexImageProcessor(PatchRule):
     """SigLIP2 NaFlex's rule: each image resized to whole patches within a budget, aspect kept.
 
-    The grid is :func:`naflex_grid`'s; one Pillow resize (``resample``) to ``(cols * p, rows * p)``,
-    no padding, no crop; then ``x * rescale_factor``, ``(x - mean) / std`` as transformers' PIL
-    backend computes them. :meth:`plan_image` gives the grid from the image size alone, so packing
-    plans from headers; its ``in_token_limit`` (the pipeline's budget) replaces
-    ``max_num_patches`` for one image.
+    The grid is :func:`naflex_grid`'s, each side capped at ``patch_limit_on_one_side`` patches (the
+    tower's ``max_grid_side``, which only a budget over it lets a very thin image reach: that image is
+    stretched to the cap, as the native rule stretches it, where transformers' grid would be refused
+    by the tower); one Pillow resize (``resample``) to ``(cols * p, rows * p)``, no padding, no crop;
+    then ``x * rescale_factor``, ``(x - mean) / std`` as transformers' PIL backend computes them.
+    :meth:`plan_image` gives the grid from the image size alone, so packing plans from headers; its
+    ``in_token_limit`` (the pipeline's budget) replaces ``max_num_patches`` for one image.
 
     Attributes:
         patch_size: patch side p in pixels (16 for the releases).
         max_num_patches: the patch budget per image (transformers' ``max_num_patches``, 256).
+        patch_limit_on_one_side: most patches along either side (the tower's ``max_grid_side``).
         resample: Pillow's filter code (2, bilinear).
         rescale_factor, image_mean, image_std: the normalisation (1/255, 0.5, 0.5).
     """
 
     patch_size: int = 16
     max_num_patches: int = 256
+    patch_limit_on_one_side: int = 512
     resample: int = 2
     rescale_factor: float = 1 / 255
     image_mean: tuple[float, float, float] = HALF
@@ -132,6 +136,7 @@ class NaFlexImageProcessor(PatchRule):
     def __post_init__(self) -> None:
         self._check_common()
         _check_positive_int("max_num_patches", self.max_num_patches)
+        _check_positive_int("patch_limit_on_one_side", self.patch_limit_on_one_side)
 
     @property
     def kind(self) -> str:
@@ -147,14 +152,16 @@ class NaFlexImageProcessor(PatchRule):
         replaces ``max_num_patches`` for this image."""
         limit = self.max_num_patches if in_token_limit is None else in_token_limit
         rows, cols = naflex_grid(height, width, self.patch_size, limit)
+        rows, cols = min(rows, self.patch_limit_on_one_side), min(cols, self.patch_limit_on_one_side)
         resized = (cols * self.patch_size, rows * self.patch_size)
         return ImagePlan((width, height), resized, (0, 0, *resized), (rows, cols))
 
     def describe(self) -> str:
         """One line: the rule, its budget and normalisation."""
         return (
-            f"SigLIP2 NaFlex's rule: up to {self.max_num_patches} patches of {self.patch_size} px an image, aspect "
-            f"kept, resized ({RESAMPLE_NAMES[self.resample]}) up or down to whole patches, {self._normalisation()}"
+            f"SigLIP2 NaFlex's rule: up to {self.max_num_patches} patches of {self.patch_size} px an image (sides "
+            f"over {self.patch_limit_on_one_side} capped), aspect kept, resized ({RESAMPLE_NAMES[self.resample]}) "
+            f"up or down to whole patches, {self._normalisation()}"
         )
 
 
@@ -171,8 +178,9 @@ def siglip_rule(config: ClassicViTConfig) -> tuple[type[PatchRule], dict[str, An
 
 
 def naflex_rule(config: ClassicViTConfig) -> tuple[type[PatchRule], dict[str, Any]]:
-    """``naflex``: :class:`NaFlexImageProcessor` at the tower's patch size, 256 patches."""
-    return NaFlexImageProcessor, {"patch_size": config.patch_size}
+    """``naflex``: :class:`NaFlexImageProcessor` at the tower's patch size, 256 patches, its sides capped
+    at the tower's ``max_grid_side``."""
+    return NaFlexImageProcessor, {"patch_size": config.patch_size, "patch_limit_on_one_side": config.max_grid_side}
 
 
 def _read_naflex(file: Path, values: dict[str, Any], patch_size: int) -> tuple[str, PatchRule]:
