@@ -16,7 +16,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from moonvit import MoonViT, MoonViTConfig, MoonViTImageProcessor, preset_config
-from moonvit.media.processor import patchify
+from moonvit.media.processor import patchify, unpatchify
 from moonvit.model.flex import flex_unavailable
 from moonvit_projector import MoonViTProjector, ProjectorConfig
 from moonvit_projector.export import main as export_main
@@ -203,6 +203,24 @@ def noise_pngs(folder: Path) -> list[Path]:
         Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
         paths.append(path)
     return paths
+
+
+def noise_image(height: int, width: int, seed: int = 0) -> Image.Image:
+    """A uniform-noise RGB image of ``height`` x ``width``, its draw fixed by ``seed`` and its size."""
+    rng = np.random.default_rng(seed + 7919 * height + width)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def our_image(processor: Any, image: Image.Image) -> torch.Tensor:
+    """One image through one of our processors, its patches put back together: (C, H, W) float32."""
+    batch = processor(image)
+    assert batch.pixel_values.dtype == torch.float32 and batch.grid_hws.shape == (1, 2)
+    return unpatchify(batch.pixel_values, batch.grid_hws[0].tolist())
+
+
+def their_image(processor: Any, image: Image.Image) -> torch.Tensor:
+    """One image through a transformers image processor: its (C, H, W) ``pixel_values``."""
+    return processor(image, return_tensors="pt")["pixel_values"][0]
 
 
 def normal_images(

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import noise_image, our_image, their_image
 from PIL import Image
 from reference_vit import timm_eval_transform
 
@@ -30,7 +31,7 @@ from moonvit.families.vit.processor import (
     NativeViTImageProcessor,
     processor_for_config,
 )
-from moonvit.media import ImageSizeError, MoonViTVideoProcessor, processor_for, unpatchify
+from moonvit.media import ImageSizeError, MoonViTVideoProcessor, processor_for
 from moonvit.media.presets import describe_processors
 from moonvit.weights.storage import CheckpointError
 
@@ -39,22 +40,6 @@ transformers = pytest.importorskip("transformers")
 # Sizes (height, width): a pixel, tiny and odd, the native size, non-square both ways, very thin, large.
 SIZES = [(1, 1), (3, 5), (17, 9), (224, 224), (255, 257), (300, 199), (97, 1303), (1537, 2001)]
 SMALL = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128)
-
-
-def _image(height: int, width: int, seed: int = 0) -> Image.Image:
-    rng = np.random.default_rng(seed + 7919 * height + width)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def _ours(processor: Any, image: Image.Image) -> torch.Tensor:
-    """One image through our processor, its patches put back together: (3, H, W) float32."""
-    batch = processor(image)
-    assert batch.pixel_values.dtype == torch.float32 and batch.grid_hws.shape == (1, 2)
-    return unpatchify(batch.pixel_values, batch.grid_hws[0].tolist())
-
-
-def _theirs(processor: Any, image: Image.Image) -> torch.Tensor:
-    return processor(image, return_tensors="pt")["pixel_values"][0]
 
 
 def _saved(folder: Path, processor: Any, config: Any) -> Path:
@@ -97,8 +82,8 @@ def test_fixed_rules_equal_transformers_pixel_for_pixel(case: str, tmp_path: Pat
     ours = processor_for(_saved(tmp_path, theirs, config))  # read from the file save_pretrained wrote
     assert isinstance(ours, ClassicViTImageProcessor)
     for height, width in SIZES:
-        image = _image(height, width)
-        expected, got = _theirs(theirs, image), _ours(ours, image)
+        image = noise_image(height, width)
+        expected, got = their_image(theirs, image), our_image(ours, image)
         assert expected.dtype == got.dtype == torch.float32
         assert got.shape == expected.shape, (case, height, width)
         assert torch.equal(got, expected), (case, height, width, (got - expected).abs().max().item())
@@ -123,8 +108,8 @@ def test_release_files_of_the_older_form_read_as_transformers_reads_them(tmp_pat
         ours = processor_for(folder)
         assert isinstance(ours, ClassicViTImageProcessor) and ours.rule == kind
         for height, width in [(5, 3), (300, 199), (97, 1303)]:
-            image = _image(height, width)
-            assert torch.equal(_ours(ours, image), _theirs(theirs, image)), (kind, height, width)
+            image = noise_image(height, width)
+            assert torch.equal(our_image(ours, image), their_image(theirs, image)), (kind, height, width)
 
 
 # ---- timm's rule -------------------------------------------------------------------------------
@@ -145,16 +130,16 @@ def test_timm_rule_equals_its_evaluation_transform(tmp_path: Path) -> None:
     assert isinstance(ours, ClassicViTImageProcessor)
     assert (ours.rule, ours.shortest_edge, ours.crop_size, ours.crop_offset) == ("timm", 248, (224, 224), "round")
     for height, width in SIZES:
-        image = _image(height, width)
+        image = noise_image(height, width)
         expected = timm_eval_transform(image, 224, 0.9, Image.Resampling.BICUBIC, (0.5,) * 3, (0.5,) * 3)
-        assert torch.equal(_ours(ours, image), expected), (height, width)
+        assert torch.equal(our_image(ours, image), expected), (height, width)
     # timm's defaults where pretrained_cfg is silent: 224 px, bicubic, crop_pct 0.875, ImageNet's statistics
     defaults = processor_for(_timm_folder(tmp_path / "defaults"))
     assert isinstance(defaults, ClassicViTImageProcessor)
     assert (defaults.shortest_edge, defaults.resample, defaults.image_mean) == (256, 3, IMAGENET_MEAN)
-    image = _image(199, 301)
+    image = noise_image(199, 301)
     expected = timm_eval_transform(image, 224, 0.875, Image.Resampling.BICUBIC, IMAGENET_MEAN, IMAGENET_STD)
-    assert torch.equal(_ours(defaults, image), expected)
+    assert torch.equal(our_image(defaults, image), expected)
 
 
 def test_timm_squash_mode_resizes_both_sides(tmp_path: Path) -> None:
@@ -210,20 +195,20 @@ def test_native_leaves_images_on_whole_patches_unresized_and_scales_down_only() 
     assert processor.plan_image(4000, 3000).grid_hw == (24, 32)  # 768 patches, 4:3
     assert processor.plan_image(4000, 3000, in_token_limit=48).grid_hw == (6, 8)
     # a 224 x 224 image: the native rule's pixels are the ViT rule's (no resize either way)
-    image = _image(224, 224)
-    assert torch.equal(_ours(processor, image), _ours(ClassicViTImageProcessor(), image))
+    image = noise_image(224, 224)
+    assert torch.equal(our_image(processor, image), our_image(ClassicViTImageProcessor(), image))
 
 
 def test_native_pixels_are_one_pillow_resize_then_the_normalisation() -> None:
     processor = NativeViTImageProcessor(
         in_token_limit=100, resample=2, image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD
     )
-    image = _image(301, 199)
+    image = noise_image(301, 199)
     plan = processor.plan_image(*image.size)
     resized = np.array(image.resize(plan.resized_size, Image.Resampling.BILINEAR)).astype(np.float64) / 255
     mean, std = np.array(IMAGENET_MEAN, np.float32), np.array(IMAGENET_STD, np.float32)
     expected = (resized.astype(np.float32) - mean) / std
-    got = _ours(processor, image)
+    got = our_image(processor, image)
     assert torch.equal(got, torch.from_numpy(expected).permute(2, 0, 1))
 
 
@@ -362,7 +347,7 @@ def test_every_rule_runs_through_packing_and_encoding(tmp_path: Path) -> None:
     files = []
     for i, (height, width) in enumerate([(40, 90), (64, 64), (200, 130), (7, 300)]):
         files.append(tmp_path / f"{i}.png")
-        _image(height, width).save(files[-1])
+        noise_image(height, width).save(files[-1])
     for rule in ("vit", "deit", "native"):
         processor = processor_for_config(tower.config, rule)
         packs = list(pack_images(files, processor, max_patches_per_pack=64))  # planned from the headers
@@ -392,7 +377,7 @@ def test_to_images_inverts_the_processor() -> None:
         ClassicViTImageProcessor(),
         NativeViTImageProcessor(image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD),
     ):
-        image = _image(224, 224)
+        image = noise_image(224, 224)
         batch = processor(image)
         (restored,) = processor.to_images(batch.pixel_values, batch.grid_hws)
         assert torch.equal(restored, torch.from_numpy(np.array(image)).permute(2, 0, 1))
