@@ -30,6 +30,7 @@ import torch
 from helpers import normal_images, patch_pack, randomise_, record_error
 from reference_vit import resample_abs_pos_embed
 from safetensors.torch import load_file, save_file
+from test_hub import offline, requested, write_hub_cache  # noqa: F401 (fixtures)
 from transformers import (
     PreTrainedModel,
     Siglip2Config,
@@ -453,25 +454,10 @@ def test_a_full_model_reads_its_vision_half_only(transformers_folders, tmp_path,
     assert (layout.prefix, layout.base) == ("vision_model.", "vision_model.")
 
 
-def test_a_hub_siglip_model_fetches_its_vision_shard_alone(transformers_folders, tmp_path, monkeypatch):
-    import huggingface_hub
-    import huggingface_hub.constants
-    from test_hub import write_hub_cache
-
+def test_a_hub_siglip_model_fetches_its_vision_shard_alone(transformers_folders, tmp_path, offline, requested):  # noqa: F811
     _, folder = transformers_folders["SiglipModel"]
     write_sharded(tmp_path / "repo", load_file(folder / "model.safetensors"), folder / "config.json")
-    cache = tmp_path / "cache"
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
-    requested: list[str] = []
-    download = huggingface_hub.hf_hub_download
-
-    def spy(repo_id: str, filename: str, **kwargs: Any) -> str:
-        requested.append(filename)
-        return download(repo_id, filename, **kwargs)
-
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", spy)
-    write_hub_cache(cache, "google/siglip-tiny-test", {p.name: p for p in (tmp_path / "repo").iterdir()})
+    write_hub_cache(offline, "google/siglip-tiny-test", {p.name: p for p in (tmp_path / "repo").iterdir()})
     loaded = MoonViT.from_pretrained("google/siglip-tiny-test", dtype=torch.float64)
     assert isinstance(loaded, ClassicViT) and loaded.config.pool == "map"
     assert "model-00001-of-00002.safetensors" in requested

@@ -24,6 +24,7 @@ import pytest
 import torch
 from helpers import normal_images, patch_pack, randomise_
 from safetensors.torch import load_file, save_file
+from test_hub import offline, requested, write_hub_cache  # noqa: F401 (fixtures)
 from test_siglip import GRIDS, PATCH, SIDE, VISION
 from transformers import (
     Gemma3Config,
@@ -255,28 +256,13 @@ def test_the_language_model_s_shard_is_never_opened(folders, tmp_path, name):
     assert same_tower(garbled, MoonViT.from_pretrained(folder, dtype=torch.float64))
 
 
-def test_a_hub_paligemma_fetches_its_vision_shard_alone(folders, tmp_path, monkeypatch):
+def test_a_hub_paligemma_fetches_its_vision_shard_alone(folders, tmp_path, offline, requested):  # noqa: F811
     """Before its index is fetched the folder's names are not known: the hub's root (``vision_tower.``) is
     what the fetch asks for, and the hub's transformers 4 names start with it."""
-    import huggingface_hub
-    import huggingface_hub.constants
-    from test_hub import write_hub_cache
-
     _, folder = folders["PaliGemma"]
     hub_names = renamed("vision_tower.", "vision_tower.vision_model.")(load_file(folder / "model.safetensors"))
     write_sharded(tmp_path / "repo", hub_names, folder / "config.json", "vision_tower.")
-    cache = tmp_path / "cache"
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
-    requested: list[str] = []
-    download = huggingface_hub.hf_hub_download
-
-    def spy(repo_id: str, filename: str, **kwargs: Any) -> str:
-        requested.append(filename)
-        return download(repo_id, filename, **kwargs)
-
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", spy)
-    write_hub_cache(cache, "google/paligemma-tiny-test", {p.name: p for p in (tmp_path / "repo").iterdir()})
+    write_hub_cache(offline, "google/paligemma-tiny-test", {p.name: p for p in (tmp_path / "repo").iterdir()})
     loaded = MoonViT.from_pretrained("google/paligemma-tiny-test", dtype=torch.float64)
     assert same_tower(loaded, MoonViT.from_pretrained(folder, dtype=torch.float64))
     assert "model-00001-of-00002.safetensors" in requested
