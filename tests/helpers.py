@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -248,6 +248,19 @@ def record_error(
     error = float((actual.double() - expected.double()).abs().max())
     errors[key] = max(errors.get(key, 0.0), error)
     torch.testing.assert_close(actual.double(), expected.double(), **tolerance, msg=key)
+
+
+def saved_models(
+    tmp_path_factory: pytest.TempPathFactory, names: Iterable[str], build: Callable[[str], Any]
+) -> dict[str, tuple[Any, Path]]:
+    """Each model ``build(name)`` of ``names`` and a new folder its ``save_pretrained`` wrote, by name."""
+    folders = {}
+    for name in names:
+        model = build(name)
+        folder = tmp_path_factory.mktemp(name)
+        model.save_pretrained(folder)
+        folders[name] = (model, folder)
+    return folders
 
 
 def rewrite_tensors(folder: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> Path:

@@ -39,6 +39,7 @@ from helpers import (
     record_error,
     rewrite_config,
     rewrite_tensors,
+    saved_models,
 )
 from reference_vit import TimmViT, resample_abs_pos_embed, save_timm_folder
 from transformers import (
@@ -117,13 +118,7 @@ def transformers_reference(name: str, seed: int = 0) -> PreTrainedModel:
 @pytest.fixture(scope="module")
 def transformers_folders(tmp_path_factory) -> dict[str, tuple[PreTrainedModel, Path]]:
     """Each reference model and the folder its ``save_pretrained`` wrote (float64 tensors, hub names)."""
-    folders = {}
-    for name in REFERENCES:
-        model = transformers_reference(name)
-        folder = tmp_path_factory.mktemp(name)
-        model.save_pretrained(folder)
-        folders[name] = (model, folder)
-    return folders
+    return saved_models(tmp_path_factory, REFERENCES, transformers_reference)
 
 
 def transformers_outputs(model: PreTrainedModel, image: torch.Tensor) -> dict[str, torch.Tensor]:

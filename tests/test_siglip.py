@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import normal_images, patch_pack, randomise_, record_error
+from helpers import normal_images, patch_pack, randomise_, record_error, saved_models
 from reference_vit import resample_abs_pos_embed
 from safetensors.torch import load_file, save_file
 from test_hub import offline, requested, write_hub_cache  # noqa: F401 (fixtures)
@@ -123,13 +123,7 @@ def vision_half(model: PreTrainedModel) -> PreTrainedModel:
 @pytest.fixture(scope="module")
 def transformers_folders(tmp_path_factory) -> dict[str, tuple[PreTrainedModel, Path]]:
     """Each reference model and the folder its ``save_pretrained`` wrote (float64 tensors)."""
-    folders = {}
-    for name in REFERENCES:
-        model = transformers_reference(name)
-        folder = tmp_path_factory.mktemp(name)
-        model.save_pretrained(folder)
-        folders[name] = (model, folder)
-    return folders
+    return saved_models(tmp_path_factory, REFERENCES, transformers_reference)
 
 
 def siglip_outputs(model: PreTrainedModel, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
