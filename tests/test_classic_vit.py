@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.machinery
 import itertools
+import re
 import sys
 import types
 from collections.abc import Callable
@@ -754,3 +755,31 @@ def test_gradients_reach_the_tokens_the_table_and_every_block_in_training():
     for name, param in model.blocks.named_parameters():
         assert param.grad is not None and bool(param.grad.abs().gt(0).any()), name
     assert model.head.weight.grad is not None and model.head_dist.weight.grad is not None
+
+
+def test_integer_pixels_name_the_towers_own_processor():
+    """Pixels not normalised yet: the error names the tower's own processor (``processor_for``, its family's
+    rule), the tower's and its ONNX inputs' alike, not MoonViT's whatever the tower."""
+    from moonvit import preset_config
+    from moonvit.families.dinov2 import dinov2_preset
+    from moonvit.families.siglip import siglip_config
+    from moonvit.families.vit import classic_vit_config
+    from moonvit.onnx.vit_inputs import vit_onnx_inputs
+
+    towers = {
+        "classic ViT / DeiT tower": ClassicViT(classic_vit_config("vit-tiny")),
+        "SigLIP tower": ClassicViT(siglip_config("siglip-tiny")),
+        "SigLIP2 NaFlex tower": ClassicViT(siglip_config("siglip-tiny", pos_emb_rule="naflex")),
+        "DINOv2 tower": ClassicViT(dinov2_preset("dinov2-small", num_hidden_layers=1, image_size=56)),
+        "MoonViT tower": MoonViT(preset_config("tiny")),
+    }
+    for name, tower in towers.items():
+        p = tower.config.patch_size
+        pixels, grids = torch.zeros(4, 3, p, p, dtype=torch.uint8), torch.tensor([[2, 2]])
+        expected = f"got torch.uint8; run the images through the {name}'s image processor (moonvit.processor_for("
+        with pytest.raises(TypeError, match=re.escape(expected)) as refused:
+            tower(pixels, grids)
+        assert "MoonViTImageProcessor" not in str(refused.value), name
+        if isinstance(tower, ClassicViT):
+            with pytest.raises(TypeError, match=re.escape(f"the {name}'s image processor")):
+                vit_onnx_inputs(tower.config, pixels.numpy(), grids.numpy())

@@ -276,9 +276,11 @@ def check_pixel_shape(
     """
     p, c = config.patch_size, config.num_channels
     if not floating:
+        from .interface import tower_name  # the interface builds on the grid
+
         raise TypeError(
-            f"pixel_values must be floating (normalised pixels), got {dtype}; "
-            "run the images through MoonViTImageProcessor"
+            f"pixel_values must be floating (normalised pixels), got {dtype}; run the images through the "
+            f"{tower_name(config)}'s image processor (moonvit.processor_for(its checkpoint): its family's rule)"
         )
     if len(shape) != 4 or tuple(shape[1:]) != (c, p, p):
         raise ValueError(f"pixel_values must have shape (L, {c}, {p}, {p}), got {shape}")

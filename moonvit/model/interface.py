@@ -148,7 +148,7 @@ def pooled_kind(config: EncoderConfig) -> str | None:
     return POOLED_KINDS.get(pool) if isinstance(pool, str) else None
 
 
-def tower_name(config: EncoderConfig) -> str:
+def tower_name(config: GridGeometry) -> str:
     """What a message calls the tower: its family's :attr:`~moonvit.families.Family.tower_name`
     (``classic ViT / DeiT tower``, ``MoonViT tower``); ``vision tower`` for a config no family builds."""
     from ..families import family_of  # the families build on the model package
