@@ -323,6 +323,15 @@ def interrupt_at_step(monkeypatch, step: int) -> None:
     monkeypatch.setattr(Trainer, "train_step", train_step)
 
 
+def interrupted_then_resumed(monkeypatch, args: list, out: Path, step: int = 3) -> None:
+    """``train(*args)`` into ``out`` stopped by Ctrl-C in step ``step``, then the same command again (which resumes)."""
+    with monkeypatch.context() as patch:
+        interrupt_at_step(patch, step)
+        with pytest.raises(SystemExit):
+            train(*args, "--out", out)
+    train(*args, "--out", out)
+
+
 def test_resuming_with_other_threads_warns_records_it_and_supervised_runs_draw_no_pictures(
     tmp_path, monkeypatch, capsys
 ):

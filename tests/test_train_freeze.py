@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file
-from test_train import free_port, interrupt_at_step, run_ranks, train, weights
+from test_train import free_port, interrupted_then_resumed, run_ranks, train, weights
 
 import moonvit.model.blocks as blocks
 from moonvit import MoonViT, build_packed_grid
@@ -126,11 +126,7 @@ def test_lora_trains_only_its_adapters_saves_the_merged_tower_and_resumes_exactl
     assert 0 < results["encoder"]["trained"] < results["encoder"]["parameters"] / 10
     monkeypatch.undo()
 
-    with monkeypatch.context() as patch:
-        interrupt_at_step(patch, 3)
-        with pytest.raises(SystemExit):
-            train(*args, "--out", tmp_path / "resumed")
-    train(*args, "--out", tmp_path / "resumed")
+    interrupted_then_resumed(monkeypatch, args, tmp_path / "resumed")
     straight, resumed = weights(out), weights(tmp_path / "resumed")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     adapter = load_file(out / "adapter" / "adapter.safetensors")

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from test_train import interrupt_at_step, train
+from test_train import interrupted_then_resumed, train, weights
 from test_train_vit import DIGITS, assert_loads_back, fit, pack
 
 from moonvit.families.openvla.config import FusedBackboneConfig
@@ -165,13 +165,8 @@ def test_a_siglip_folder_fine_tunes_on_pooled_with_token_drop_and_resumes_exactl
     args += ["--steps", "4", "--save-every", "2"]
     results = train(*args, "--out", tmp_path / "straight")
     assert "MAP head" in results["encoder"]["shape"] and results["files"][1:] == ["head.safetensors", "head.json"]
-    with monkeypatch.context() as patch:
-        interrupt_at_step(patch, 3)
-        with pytest.raises(SystemExit):
-            train(*args, "--out", tmp_path / "resumed")
-    train(*args, "--out", tmp_path / "resumed")
-    straight = load_file(tmp_path / "straight" / "checkpoint" / "model.safetensors")
-    resumed = load_file(tmp_path / "resumed" / "checkpoint" / "model.safetensors")
+    interrupted_then_resumed(monkeypatch, args, tmp_path / "resumed")
+    straight, resumed = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
     assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
     for head in ("head.safetensors",):
         first, second = load_file(tmp_path / "straight" / head), load_file(tmp_path / "resumed" / head)

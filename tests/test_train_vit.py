@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from test_train import free_port, interrupt_at_step, run_ranks, train
+from test_train import free_port, interrupted_then_resumed, run_ranks, train, weights
 
 from moonvit import MoonViT, MoonViTImageProcessor, preset_config
 from moonvit.families.vit import ClassicViT, classic_vit_config
@@ -275,13 +275,8 @@ def test_deit_distillation_run_resumes_exactly_and_saves_two_heads(tmp_path, fol
     args += ["--token-drop", "0.25", "--cutmix", "1.0", "--head-lr", "3e-2", "--steps", "4", "--save-every", "2"]
     results = train(*args, "--out", tmp_path / "straight")
     assert results["objective"] == "deit" and results["test"]["teacher"] == "teacher"
-    with monkeypatch.context() as patch:
-        interrupt_at_step(patch, 3)
-        with pytest.raises(SystemExit):
-            train(*args, "--out", tmp_path / "resumed")
-    train(*args, "--out", tmp_path / "resumed")
-    straight = load_file(tmp_path / "straight" / "checkpoint" / "model.safetensors")
-    resumed = load_file(tmp_path / "resumed" / "checkpoint" / "model.safetensors")
+    interrupted_then_resumed(monkeypatch, args, tmp_path / "resumed")
+    straight, resumed = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
     assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
     loaded = assert_loads_back(tmp_path / "straight")
     assert loaded.config.distilled_head and loaded.config.num_classes == 10
