@@ -134,8 +134,25 @@ def permute_rope_rows(tensor: torch.Tensor, heads: int) -> torch.Tensor:
     return tensor.reshape(heads, half, 2, *tensor.shape[1:]).transpose(1, 2).reshape(tensor.shape)
 
 
+class TensorLayout:
+    """A folder's naming of a tower's tensors: where each of the model's state-dict entries comes from
+    (:meth:`source`), and so the folder's tensors of a state dict (:meth:`checkpoint_tensors`)."""
+
+    def source(self, model_name: str) -> TensorSource:
+        raise NotImplementedError
+
+    def checkpoint_tensors(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors, by name, of a model state dict: the exact inverse of
+        :meth:`source` (parts split, permutations undone), so that loading them gives ``state`` back."""
+        tensors: dict[str, torch.Tensor] = {}
+        for model_name, tensor in state.items():
+            source = self.source(model_name)
+            tensors.update(zip(source.names, source.split(tensor)))
+        return tensors
+
+
 @dataclass(frozen=True)
-class TowerLayout:
+class TowerLayout(TensorLayout):
     """How a checkpoint names the tower's tensors.
 
     Attributes:
@@ -157,15 +174,6 @@ class TowerLayout:
                 return TensorSource(("vision_tower.encoder." + model_name,))
             return TensorSource((self.prefix + model_name,))
         return self._native(model_name)
-
-    def checkpoint_tensors(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The checkpoint's tensors, by name, of a model state dict: the exact inverse of
-        :meth:`source` (parts split, permutations undone), so that loading them gives ``state`` back."""
-        tensors: dict[str, torch.Tensor] = {}
-        for model_name, tensor in state.items():
-            source = self.source(model_name)
-            tensors.update(zip(source.names, source.split(tensor)))
-        return tensors
 
     def _native(self, model_name: str) -> TensorSource:
         root = "model.vision_tower."

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ...weights.config_keys import warn_unread_keys
-from ...weights.formats import TensorLayoutError, TensorSource
+from ...weights.formats import TensorLayout, TensorLayoutError, TensorSource
 from ..vit.config import ClassicViTConfig
 from ..vit.formats import ViTLayout
 from ..vit.readers import check_timm_size, square_int, table_pixels, timm_arguments, timm_fields
@@ -183,7 +183,7 @@ _MLP: dict[str, dict[str, tuple[str, ...]]] = {
 
 
 @dataclass(frozen=True)
-class Dinov2Layout:
+class Dinov2Layout(TensorLayout):
     """How a transformers DINOv2 folder names the tower's tensors.
 
     Attributes:
@@ -221,14 +221,6 @@ class Dinov2Layout:
         """Whether the folder's tensor ``name`` is one the tower knows and does not read: the mask token
         (masked-image pre-training's)."""
         return name == f"{self.base}embeddings.mask_token"
-
-    def checkpoint_tensors(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The folder's tensors, by name, of a tower state dict (the inverse of :meth:`source`)."""
-        tensors: dict[str, Any] = {}
-        for model_name, tensor in state.items():
-            source = self.source(model_name)
-            tensors.update(zip(source.names, source.split(tensor)))
-        return tensors
 
 
 # ---- timm --------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from ...weights.config_keys import warn_unread_keys
-from ...weights.formats import TensorLayoutError, TensorSource
+from ...weights.formats import TensorLayout, TensorLayoutError, TensorSource
 from ..vit.config import ClassicViTConfig
 from ..vit.readers import check_timm_size, square_int, table_pixels, timm_arguments, timm_fields
 from .config import SIGLIP_FIELDS, SIZES, sized
@@ -165,8 +165,9 @@ def _transformers_config(
         if side * side != patches:
             raise ValueError(f"num_patches {patches!r} is not a square number (the table is side x side)")
         fields["image_size"] = side * fields["patch_size"]
-    else:
-        fields["image_size"] = table_pixels(square_int(fields["image_size"], "image_size"), fields["patch_size"])
+    else:  # the table's whole patches, and the size the release resizes to (SigLIP's rule reads it)
+        fields["input_size"] = square_int(fields["image_size"], "image_size")
+        fields["image_size"] = table_pixels(fields["input_size"], fields["patch_size"])
     activation = vision.get("hidden_act", "gelu_pytorch_tanh")
     if activation not in _ACTIVATIONS:
         raise ValueError(f"hidden_act {activation!r} is not supported (one of {', '.join(_ACTIVATIONS)})")
@@ -289,6 +290,7 @@ def _read_timm(values: dict[str, Any], where: Path) -> tuple[ClassicViTConfig, S
     pretrained = values.get("pretrained_cfg") or {}
     input_size = pretrained.get("input_size") if isinstance(pretrained, dict) else None
     fields = timm_fields(named, input_size, args, _TIMM_ARGS)
+    fields["input_size"] = fields["image_size"]  # the release's size, which SigLIP's rule resizes to
     fields["image_size"] = table_pixels(fields["image_size"], fields["patch_size"])
     if "embed_dim" in args or "mlp_ratio" in args or size not in SIZES:
         ratio = float(args.get("mlp_ratio", _TIMM_MLP_RATIO.get(size, 4.0)))
@@ -356,7 +358,7 @@ def _table_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class SiglipLayout:
+class SiglipLayout(TensorLayout):
     """How a folder names the SigLIP tower's tensors.
 
     Attributes:
@@ -414,14 +416,6 @@ class SiglipLayout:
     def _linear_weight(weight: torch.Tensor) -> torch.Tensor:
         """The inverse of :meth:`_conv_weight`."""
         return weight.permute(0, 2, 3, 1).reshape(weight.shape[0], -1).contiguous()
-
-    def checkpoint_tensors(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The folder's tensors, by name, of a tower state dict (the inverse of :meth:`source`)."""
-        tensors: dict[str, torch.Tensor] = {}
-        for model_name, tensor in state.items():
-            source = self.source(model_name)
-            tensors.update(zip(source.names, source.split(tensor)))
-        return tensors
 
 
 def _flat_patch_shape(shape: tuple[int, ...]) -> tuple[int, ...]:

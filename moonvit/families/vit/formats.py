@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ...weights.config_keys import warn_unread_keys
-from ...weights.formats import TensorSource
+from ...weights.formats import TensorLayout, TensorSource
 from .config import SIZES, ClassicViTConfig
 from .readers import check_timm_size, square_int, timm_arguments, timm_fields
 
@@ -180,7 +180,7 @@ _TRANSFORMERS_BLOCK = {
 
 
 @dataclass(frozen=True)
-class ViTLayout:
+class ViTLayout(TensorLayout):
     """How a folder names the classic-ViT tower's tensors.
 
     Attributes:
@@ -213,11 +213,3 @@ class ViTLayout:
         if inner == "attn.qkv":
             return TensorSource(tuple(f"{layer}attention.attention.{p}.{kind}" for p in ("query", "key", "value")))
         return TensorSource((f"{layer}{_TRANSFORMERS_BLOCK[inner]}.{kind}",))
-
-    def checkpoint_tensors(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The folder's tensors, by name, of a tower state dict (the inverse of :meth:`source`)."""
-        tensors: dict[str, Any] = {}
-        for model_name, tensor in state.items():
-            source = self.source(model_name)
-            tensors.update(zip(source.names, source.split(tensor)))
-        return tensors
