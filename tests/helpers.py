@@ -263,6 +263,26 @@ def saved_models(
     return folders
 
 
+def check_bf16(
+    errors: dict[str, float],
+    key: str,
+    ours: dict[str, torch.Tensor],
+    theirs: dict[str, torch.Tensor],
+    exact: dict[str, torch.Tensor],
+) -> None:
+    """Our bf16 outputs as close to the float64 reference (``exact``) as the reference's own bf16 run
+    (``theirs``) is: the RMS error of each output within 1.25x the reference's + 1e-3. The largest and the
+    RMS errors of both are kept in ``errors`` under ``key``."""
+    for name, truth in exact.items():
+        own, reference = ours[name].double() - truth, theirs[name].double() - truth
+        errors[f"{key}/bf16 max/{name}"] = float(own.abs().max())
+        errors[f"{key}/bf16 reference max/{name}"] = float(reference.abs().max())
+        own_rms, reference_rms = float(own.square().mean().sqrt()), float(reference.square().mean().sqrt())
+        errors[f"{key}/bf16 rms/{name}"] = own_rms
+        errors[f"{key}/bf16 reference rms/{name}"] = reference_rms
+        assert own_rms <= reference_rms * 1.25 + 1e-3, (name, own_rms, reference_rms)
+
+
 def rewrite_tensors(folder: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> Path:
     """``folder`` with its ``model.safetensors`` rewritten after ``change`` edits its tensors in place."""
     tensors = load_file(folder / "model.safetensors")

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from helpers import (
     FLEX,
+    check_bf16,
     copied_folder,
     normal_images,
     patch_pack,
@@ -354,21 +355,6 @@ def test_jax_rule_is_scipy_zoom_order_1(size):
 BF16_GRIDS = GRIDS * 4
 
 
-def check_bf16(
-    key: str, ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], exact: dict[str, torch.Tensor]
-):
-    """Our bf16 outputs as close to the float64 reference as the reference's own bf16 run is: the RMS
-    error of each output within 1.25x the reference's + 1e-3."""
-    for name, truth in exact.items():
-        own, reference = ours[name].double() - truth, theirs[name].double() - truth
-        ERRORS[f"{key}/bf16 max/{name}"] = float(own.abs().max())
-        ERRORS[f"{key}/bf16 reference max/{name}"] = float(reference.abs().max())
-        own_rms, reference_rms = float(own.square().mean().sqrt()), float(reference.square().mean().sqrt())
-        ERRORS[f"{key}/bf16 rms/{name}"] = own_rms
-        ERRORS[f"{key}/bf16 reference rms/{name}"] = reference_rms
-        assert own_rms <= reference_rms * 1.25 + 1e-3, (name, own_rms, reference_rms)
-
-
 def reference_rows(run: Callable[[torch.Tensor], dict[str, torch.Tensor]], images: list[torch.Tensor]):
     """``run`` on each image; its outputs concatenated over the images, key by key."""
     rows = [run(image) for image in images]
@@ -394,7 +380,9 @@ def test_bf16_vit_classifier_within_the_references_own_bf16_error(transformers_f
         return outputs
 
     exact = reference_rows(run(exact_model, torch.float64), images)
-    check_bf16("ViTForImageClassification", mine, reference_rows(run(half_model, torch.bfloat16), images), exact)
+    check_bf16(
+        ERRORS, "ViTForImageClassification", mine, reference_rows(run(half_model, torch.bfloat16), images), exact
+    )
 
 
 def test_bf16_timm_deit_distilled_within_the_references_own_bf16_error(tmp_path):
@@ -427,7 +415,7 @@ def test_bf16_timm_deit_distilled_within_the_references_own_bf16_error(tmp_path)
 
         exact = reference_rows(run(exact_model, torch.float64), images)
         half = reference_rows(run(half_model, torch.bfloat16), images)
-    check_bf16("timm-deit-distilled", mine, half, exact)
+    check_bf16(ERRORS, "timm-deit-distilled", mine, half, exact)
 
 
 # ---- what the loader refuses -------------------------------------------------------------------

@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import (
+    check_bf16,
     copied_folder,
     normal_images,
     patch_pack,
@@ -228,19 +229,6 @@ def test_a_folder_in_transformers_in_memory_names_loads_the_same(transformers_fo
 BF16_GRIDS = GRIDS * 3
 
 
-def check_bf16(
-    key: str, ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], exact: dict[str, torch.Tensor]
-):
-    """Our bf16 outputs as close to the float64 reference as the reference's own bf16 run is: the RMS
-    error of each output within 1.25x the reference's + 1e-3."""
-    for name, truth in exact.items():
-        own, reference = ours[name].double() - truth, theirs[name].double() - truth
-        own_rms, reference_rms = float(own.square().mean().sqrt()), float(reference.square().mean().sqrt())
-        ERRORS[f"{key}/bf16 rms/{name}"] = own_rms
-        ERRORS[f"{key}/bf16 reference rms/{name}"] = reference_rms
-        assert own_rms <= reference_rms * 1.25 + 1e-3, (name, own_rms, reference_rms)
-
-
 @pytest.mark.parametrize("name", ["Dinov2Model-swiglu", "Dinov2WithRegistersModel"])
 def test_bf16_within_the_references_own_bf16_error(transformers_folders, name):
     exact_model, folder = transformers_folders[name]
@@ -262,7 +250,7 @@ def test_bf16_within_the_references_own_bf16_error(transformers_folders, name):
             "pooled": torch.stack([f["pooler_output"] for f in found]),
         }
 
-    check_bf16(name, mine, rows(half_model, torch.bfloat16), rows(exact_model, torch.float64))
+    check_bf16(ERRORS, name, mine, rows(half_model, torch.bfloat16), rows(exact_model, torch.float64))
 
 
 # ---- timm --------------------------------------------------------------------------------------
