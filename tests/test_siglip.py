@@ -421,13 +421,15 @@ def test_timm_architecture_names_give_timm_s_sizes(tmp_path, architecture, size)
 # ---- loading -----------------------------------------------------------------------------------
 
 
-def write_sharded(folder: Path, tensors: dict[str, torch.Tensor], config: Path) -> None:
-    """``tensors`` as two shards behind an index: the vision tower's, and everything else's."""
+def write_sharded(folder: Path, tensors: dict[str, torch.Tensor], config: Path, tower: str = "vision_model.") -> None:
+    """``tensors`` as two shards behind an index: the vision tower's (names under ``tower``), and everything
+    else's (a full model's text tower; a VLM's language model and projector)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(config.read_text())
-    shards = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+    shards: dict[str, dict[str, torch.Tensor]] = {"model-00001-of-00002.safetensors": {}}
+    shards["model-00002-of-00002.safetensors"] = {}
     for name, tensor in tensors.items():
-        shards[f"model-0000{1 if name.startswith('vision_model.') else 2}-of-00002.safetensors"][name] = tensor
+        shards[f"model-0000{1 if name.startswith(tower) else 2}-of-00002.safetensors"][name] = tensor
     weight_map = {name: shard for shard, part in shards.items() for name in part}
     for shard, part in shards.items():
         save_file(part, folder / shard)

@@ -25,7 +25,7 @@ import torch
 from helpers import normal_images, patch_pack, randomise_
 from safetensors.torch import load_file, save_file
 from test_hub import offline, requested, write_hub_cache  # noqa: F401 (fixtures)
-from test_siglip import GRIDS, PATCH, SIDE, VISION
+from test_siglip import GRIDS, PATCH, SIDE, VISION, write_sharded
 from transformers import (
     Gemma3Config,
     Gemma3ForConditionalGeneration,
@@ -223,21 +223,6 @@ def test_lerobot_policy_folders_load_the_paligemma_tower(folders, tmp_path, kind
 
 
 # ---- the loader's contract ---------------------------------------------------------------------
-
-
-def write_sharded(folder: Path, tensors: dict[str, torch.Tensor], config: Path, tower: str) -> None:
-    """``tensors`` as two shards behind an index: the vision tower's (names under ``tower``), and the
-    language model's, projector's and everything else's."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(config.read_text())
-    shards: dict[str, dict[str, torch.Tensor]] = {"model-00001-of-00002.safetensors": {}}
-    shards["model-00002-of-00002.safetensors"] = {}
-    for name, tensor in tensors.items():
-        shards[f"model-0000{1 if name.startswith(tower) else 2}-of-00002.safetensors"][name] = tensor
-    weight_map = {name: shard for shard, part in shards.items() for name in part}
-    for shard, part in shards.items():
-        save_file(part, folder / shard)
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
 @pytest.mark.parametrize("name", list(REFERENCES))
