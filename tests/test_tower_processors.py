@@ -11,6 +11,7 @@ output, its (row, column, channel) flattening turned into our (C, p, p).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import warnings
@@ -125,6 +126,46 @@ def test_siglip_at_384_px_and_patch_14_keeps_the_patches_the_convolution_reads(t
             f"siglip-384-p14 {height}x{width}", our_image(ours, image), their_image(theirs, image)[:, :378, :378]
         )
     assert "top-left 378x378 px kept" in ours.describe()
+
+
+def test_the_siglip_rule_by_name_resizes_so400m_14_to_384_px(tmp_path: Path) -> None:
+    """``--image-rule siglip`` on so400m/14 at 384 px without a transformers processor file (a transformers folder
+    without one, timm's ``vit_so400m_patch14_siglip_384``): the rule built from the tower resizes to the release's
+    384 px, as transformers' processor does, and keeps the top-left 27 x 27 patches (378 px) the convolution
+    reads, not a resize to the table's 378 px."""
+    from moonvit.encode import checkpoint_processors
+    from moonvit.families.vit import ClassicViT
+    from moonvit.weights.checkpoint import read_config
+
+    transformers.SiglipVisionConfig(**TINY, patch_size=14, image_size=384).save_pretrained(tmp_path / "transformers")
+    timm = {
+        "architecture": "vit_so400m_patch14_siglip_384",
+        "model_args": {"embed_dim": 32, "depth": 1, "num_heads": 2},
+        "num_classes": 0,
+        "global_pool": "map",
+        "pretrained_cfg": {"input_size": [3, 384, 384], "interpolation": "bicubic", "crop_pct": 1.0,
+                           "mean": [0.5] * 3, "std": [0.5] * 3},
+    }  # fmt: skip
+    (tmp_path / "timm").mkdir()
+    (tmp_path / "timm" / "config.json").write_text(json.dumps(timm))
+    theirs = transformers.SiglipImageProcessorPil(size={"height": 384, "width": 384})
+    for name in ("transformers", "timm"):
+        config, _ = read_config(tmp_path / name)
+        assert (config.image_size, config.input_size, config.grid_side) == (378, 384, 27)
+        ours = checkpoint_processors(tmp_path / name, config, rule="siglip").image
+        assert isinstance(ours, ClassicViTImageProcessor) and ours.rule == "siglip" and ours.size == (384, 384)
+        assert ours.grid_hw == (27, 27)
+        for height, width in [(5, 3), (300, 199), (97, 1303), (384, 384)]:
+            image = noise_image(height, width)
+            _check_equal(f"{name} {height}x{width}", our_image(ours, image), their_image(theirs, image)[:, :378, :378])
+    with pytest.raises(
+        ValueError, match="input_size 392 is not a size in px whose whole 14 px patches are the table's 27"
+    ):
+        dataclasses.replace(config, input_size=392)  # 28 patches
+    assert dataclasses.replace(config, input_size=378).input_size is None  # the table's own size, one spelling
+    tower = ClassicViT(config)
+    tower.resize_position_table(448)  # a new table: the release's size no longer applies
+    assert (tower.config.image_size, tower.config.input_size) == (448, None)
 
 
 # ---- SigLIP2 NaFlex --------------------------------------------------------------------------------

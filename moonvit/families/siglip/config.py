@@ -41,7 +41,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # google/siglip-base-patch16-224, google/siglip-so400m-patch14-384 (SiglipModel's vision half)
     "siglip-base-16-224": dict(sized("base"), patch_size=16, image_size=224),
     # (384 px at patch 14: a 27 x 27 table, 378 px; transformers' convolution drops the last 6 pixels)
-    "siglip-so400m-14-384": dict(sized("so400m"), patch_size=14, image_size=378),
+    "siglip-so400m-14-384": dict(sized("so400m"), patch_size=14, image_size=378, input_size=384),
     # PaliGemma's (and pi0's) tower: so400m/14 at 224 px without the MAP head
     "paligemma-so400m-14-224": dict(sized("so400m"), patch_size=14, image_size=224, pool="avg"),
     # google/siglip2-so400m-patch16-naflex: num_patches 256, a 16 x 16 table
@@ -58,6 +58,9 @@ def siglip_config(name: str, **overrides: Any) -> ClassicViTConfig:
     """The tower config of a named preset (:data:`PRESETS`), with overrides."""
     if name not in PRESETS:
         raise ValueError(f"unknown SigLIP preset {name!r}; choose one of {sorted(PRESETS)}")
-    fields = {**SIGLIP_FIELDS, "pos_emb_rule": "transformers", **PRESETS[name], **overrides}
+    preset = PRESETS[name]
+    if "image_size" in overrides:  # another table: the release's size was the preset's table's
+        preset = {key: value for key, value in preset.items() if key != "input_size"}
+    fields = {**SIGLIP_FIELDS, "pos_emb_rule": "transformers", **preset, **overrides}
     fields.setdefault("family", "siglip2" if fields["pos_emb_rule"] == "naflex" else "siglip")
     return ClassicViTConfig(**fields)

@@ -4,7 +4,8 @@
 Rules, chosen by name (:data:`SIGLIP_RULES`, :data:`SIGLIP2_RULES`, :func:`moonvit.media.processor_for`):
 
 - ``siglip``: transformers' ``SiglipImageProcessor`` as the google/siglip-* releases ship it: resize to
-  ``size`` (the tower's ``image_size`` square: 224, 256, 384, 512) with bicubic, ``x / 255``, mean and
+  ``size`` (the release's size square: 224, 256, 384, 512, the tower's ``input_size`` where its table
+  does not cover it, else its ``image_size``) with bicubic, ``x / 255``, mean and
   std 0.5, no crop (a :class:`~moonvit.families.vit.processor.ClassicViTImageProcessor`). A side
   that is not whole patches keeps its top-left patches, as the patch convolution reads it
   (so400m at 384 px, patch 14: 27 x 27 patches of the 384 x 384 resize);
@@ -169,8 +170,9 @@ class NaFlexImageProcessor(PatchRule):
 
 
 def siglip_rule(config: ClassicViTConfig) -> tuple[type[PatchRule], dict[str, Any]]:
-    """``siglip``: resize to ``image_size`` square, bicubic, its top-left whole patches kept; 0.5 / 0.5."""
-    size = config.image_size
+    """``siglip``: resize to the release's size square (``input_size``: 384 for so400m/14 at 384, whose
+    27 x 27 table covers 378 px; else ``image_size``), bicubic, its top-left whole patches kept; 0.5 / 0.5."""
+    size = config.input_size or config.image_size
     return ClassicViTImageProcessor, {
         "rule": "siglip", "patch_size": config.patch_size, "size": (size, size), "resample": 3,
         "drop_remainder": True,

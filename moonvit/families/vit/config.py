@@ -88,7 +88,10 @@ class ClassicViTConfig(PatchTokenConfig):
     224 px as transformers builds it (LayerNorm eps 1e-12; timm's folders read 1e-6).
 
     - ``image_size`` / ``patch_size``: the table's native grid is ``image_size // patch_size`` per
-      side (14 x 14 at 224 px); any grid runs, the table resampled by ``pos_emb_rule``.
+      side (14 x 14 at 224 px); any grid runs, the table resampled by ``pos_emb_rule``;
+      ``input_size``: the side the release's images are resized to where its patches do not cover
+      it (SigLIP so400m/14 at 384 px: a 27 x 27 table, ``image_size`` 378, the patch convolution
+      dropping the last 6 px), which a fixed rule resizes to; None where it is ``image_size``.
     - ``class_token``, ``distillation_token``: the prefix tokens, in that order (DeiT: both).
     - ``pool``: ``"token"``: ``pooled`` is the CLS row after the final norm (the seed's
       ``pre_logits``); ``"avg"``: the mean of the item's patch rows after the final norm (GAP,
@@ -119,6 +122,7 @@ class ClassicViTConfig(PatchTokenConfig):
 
     patch_size: int = 16
     image_size: int = 224
+    input_size: int | None = None
     hidden_size: int = 768
     num_hidden_layers: int = 12
     num_attention_heads: int = 12
@@ -152,6 +156,17 @@ class ClassicViTConfig(PatchTokenConfig):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+        if self.input_size == self.image_size:
+            self.input_size = None  # one spelling of "the table's own size"
+        if self.input_size is not None and (
+            not isinstance(self.input_size, int)
+            or isinstance(self.input_size, bool)
+            or self.input_size // self.patch_size != self.grid_side
+        ):
+            raise ValueError(
+                f"input_size {self.input_size!r} is not a size in px whose whole {self.patch_size} px patches are the "
+                f"table's {self.grid_side} (image_size {self.image_size}): the release's size the table was cut from"
+            )
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"

@@ -336,7 +336,7 @@ class ClassicViT(PackedTower):
         with torch.no_grad():
             patches = self._patch_table(side, side).unsqueeze(0)
             self.pos_embed = nn.Parameter(torch.cat([prefix, patches], dim=1).detach().clone())
-        self.config.image_size = image_size
+        self.config.image_size, self.config.input_size = image_size, None  # the new table covers its size
         self.clear_caches()
 
     def _patch_table(self, rows: int, cols: int) -> torch.Tensor:
