@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 from PIL import Image
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from moonvit import MoonViT, MoonViTConfig, MoonViTImageProcessor, preset_config
@@ -329,6 +330,22 @@ def on_one_thread(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 def run_export(*args: str | Path, threads: int = 1) -> dict:
     """The export in this process (torch's thread count restored afterwards)."""
     return with_threads(export_main, [str(a) for a in args] + ["--threads", str(threads)])
+
+
+def exported_rows(out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Each exported image's tensors, by id, read from its shard by its manifest line: ``merged`` (its
+    offset and token count), and ``prefix_tokens`` and ``pooled`` where the line gives their rows."""
+    rows = {}
+    for line in (out / "manifest.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        with safe_open(out / record["shard"], framework="pt") as shard:
+            start, count = record["offset"], record["num_tokens"]
+            item = {"merged": shard.get_slice("merged")[start : start + count]}
+            for name, key in (("prefix_tokens", "prefix_row"), ("pooled", "pooled_row")):
+                if key in record:
+                    item[name] = shard.get_slice(name)[record[key]]
+            rows[record["id"]] = item
+    return rows
 
 
 def folder_bytes(folder: Path) -> dict[str, bytes]:

@@ -18,6 +18,7 @@ import pytest
 import torch
 from helpers import (
     assert_close_across_shapes,
+    exported_rows,
     noise_pngs,
     on_one_thread,
     randomise_,
@@ -123,21 +124,6 @@ def test_main_job_on_a_dinov2_like_tower_writes_cls_and_registers(dinov2, images
 # ---- python -m moonvit_projector.export --------------------------------------------------------------
 
 
-def exported(out: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """Each exported image's tensors, read from its shard by its manifest line's offsets and row keys."""
-    rows = {}
-    for line in (out / "manifest.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        with safe_open(out / record["shard"], framework="pt") as shard:
-            start, count = record["offset"], record["num_tokens"]
-            item = {"merged": shard.get_slice("merged")[start : start + count]}
-            for name, key in (("prefix_tokens", "prefix_row"), ("pooled", "pooled_row")):
-                if key in record:
-                    item[name] = shard.get_slice(name)[record[key]]
-            rows[record["id"]] = item
-    return rows
-
-
 def test_export_of_a_siglip_like_tower_stores_the_map_vector_per_image(siglip, images, tmp_path):
     out = tmp_path / "out"
     run_export(
@@ -154,7 +140,7 @@ def test_export_of_a_siglip_like_tower_stores_the_map_vector_per_image(siglip, i
     with safe_open(out / "shard-000000.safetensors", framework="pt") as shard:
         assert set(shard.keys()) == {"merged", "pooled"} and shard.get_slice("pooled").get_shape() == [5, WIDTH]
     output, _ = direct(siglip, images)  # one shard, one pack of every image in input order: the same call
-    stored = exported(out)
+    stored = exported_rows(out)
     assert all("prefix_tokens" not in item for item in stored.values())
     torch.testing.assert_close(torch.stack([stored[p.name]["pooled"] for p in images]), output.pooled, rtol=0, atol=0)
 
@@ -175,7 +161,7 @@ def test_export_of_a_dinov2_like_tower_stores_cls_registers_and_pooled(dinov2, i
     assert run["pooled"]["kind"] == "cls"
     output, grids = direct(dinov2, images)
     patches = output.last_hidden_state.split(grids.prod(1).tolist())
-    stored = exported(out)
+    stored = exported_rows(out)
     for i, path in enumerate(images):
         item = stored[path.name]
         assert item["prefix_tokens"].shape == (3, WIDTH) and item["pooled"].shape == (WIDTH,)
@@ -411,7 +397,7 @@ def test_main_job_and_export_on_transformers_folders(kind, rule, pooled, prefix,
     export = tmp_path / "export"
     run_export("--inputs", images[0].parent, "--checkpoint", folder, "--out", export, "--store", "merged",
                "--dtype", "fp32")  # fmt: skip
-    stored = exported(export)
+    stored = exported_rows(export)
     torch.testing.assert_close(
         torch.stack([stored[p.name]["pooled"] for p in images]), direct_out.pooled, rtol=0, atol=0
     )

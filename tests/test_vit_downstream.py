@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers import (
     assert_close_across_shapes,
+    exported_rows,
     folder_bytes,
     noise_pngs,
     on_one_thread,
@@ -227,20 +228,6 @@ def test_main_job_refuses_videos_for_a_vit_tower(vit, tmp_path, capsys):
 # ---- python -m moonvit_projector.export --------------------------------------------------------
 
 
-def shard_rows(out: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """Each exported image's merged tokens and prefix rows, read from its shard by its manifest line."""
-    rows = {}
-    for line in (out / "manifest.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        with safe_open(out / record["shard"], framework="pt") as shard:
-            start, count = record["offset"], record["num_tokens"]
-            rows[record["id"]] = {
-                "merged": shard.get_slice("merged")[start : start + count],
-                "prefix_tokens": shard.get_slice("prefix_tokens")[record["prefix_row"]],
-            }
-    return rows
-
-
 @pytest.mark.parametrize("tower", ["vit", "deit"])
 def test_export_stores_patch_tokens_and_prefix_rows_equal_to_the_tower(tower, request, images, tmp_path):
     folder = request.getfixturevalue(tower)
@@ -261,7 +248,7 @@ def test_export_stores_patch_tokens_and_prefix_rows_equal_to_the_tower(tower, re
     with safe_open(out / "shard-000000.safetensors", framework="pt") as shard:
         assert shard.get_slice("prefix_tokens").get_shape() == [3, count, WIDTH]
     _, output, grids = direct(folder, images)  # the export's one pack per shard: compared across shapes
-    stored = shard_rows(out)
+    stored = exported_rows(out)
     patches = output.last_hidden_state.split([h * w for h, w in grids.tolist()])
     for i, path in enumerate(images):
         item = stored[path.name]
@@ -279,7 +266,7 @@ def test_exported_cls_rows_are_the_towers_bits_on_the_same_pack(vit, images, tmp
     out = tmp_path / "out"
     run_export("--inputs", images[0].parent, "--checkpoint", vit, "--out", out, "--store", "merged", "--dtype", "fp32")
     _, output, _ = direct(vit, images)
-    stored = shard_rows(out)
+    stored = exported_rows(out)
     exported = torch.stack([stored[path.name]["prefix_tokens"][0] for path in images])
     torch.testing.assert_close(exported, output.pooled, rtol=0, atol=0)
 
@@ -310,7 +297,7 @@ def test_the_ray_engine_writes_a_vit_export_s_bytes(deit, images, tmp_path):
     run_export(*args, "--max-patches-per-pack", "16", "--out", tmp_path / "local")
     run_export(*args, "--max-patches-per-pack", "16", "--out", tmp_path / "ray", "--engine", "ray")
     assert folder_bytes(tmp_path / "ray") == folder_bytes(tmp_path / "local")
-    assert len(shard_rows(tmp_path / "ray")) == len(images)
+    assert len(exported_rows(tmp_path / "ray")) == len(images)
 
 
 def test_a_moonvit_export_has_no_prefix_rows(tmp_path, images):
