@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from test_train import interrupted_then_resumed, train, weights
-from test_train_vit import DIGITS, assert_loads_back, fit, pack
+from test_train_vit import DIGITS, assert_loads_back, each_image_alone, fit, pack
 
 from moonvit.families.openvla.config import FusedBackboneConfig
 from moonvit.families.openvla.model import FusedBackbone
@@ -79,12 +79,10 @@ def test_the_packed_loss_through_the_map_head_and_registers_is_each_images_and_f
     objective = SupervisedObjective(64, [str(i) for i in range(10)], 0.0, pooled=True)
     batch = pack(drop=True)
     loss = objective(encoder, batch).loss_sum
-    alone = []
-    for i, rows in enumerate(batch.keep):
-        start = sum(len(k) for k in batch.keep[:i])
-        grid = encoder.prepare_grid(batch.grid.grid_thws[i : i + 1], keep=[rows])
-        out = encoder(batch.pixel_values[start : start + len(rows)], grid=grid)
-        alone.append(F.cross_entropy(objective.head(objective.norm(out.pooled)), batch.labels[i : i + 1]))
+    alone = [
+        F.cross_entropy(objective.head(objective.norm(out.pooled)), batch.labels[i : i + 1])
+        for i, out in enumerate(each_image_alone(encoder, batch))
+    ]
     torch.testing.assert_close(loss, sum(alone), rtol=1e-5, atol=1e-5)
     losses = fit(objective, encoder, batch)
     assert losses[-1] < 0.5 * losses[0], losses

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from test_train import free_port, interrupted_then_resumed, run_ranks, train, weights
 
-from moonvit import MoonViT, MoonViTImageProcessor, preset_config
+from moonvit import MoonViT, MoonViTImageProcessor, MoonViTOutput, preset_config
 from moonvit.families.vit import ClassicViT, classic_vit_config
 from moonvit_eval.datasets import Split
 from moonvit_train.batch import ImageSource, render_pack
@@ -113,6 +113,16 @@ def fit(objective, encoder, batch, steps: int = 25, lr: float = 3e-3) -> list[fl
     return losses
 
 
+def each_image_alone(encoder: ClassicViT, batch) -> list[MoonViTOutput]:
+    """``encoder`` on each image of ``batch`` alone (its kept patches on its own grid): one output per image."""
+    outputs = []
+    for i, rows in enumerate(batch.keep):
+        start = sum(len(k) for k in batch.keep[:i])
+        grid = encoder.prepare_grid(batch.grid.grid_thws[i : i + 1], keep=[rows])
+        outputs.append(encoder(batch.pixel_values[start : start + len(rows)], grid=grid))
+    return outputs
+
+
 @pytest.mark.parametrize("tower_head", [True, False])
 def test_the_supervised_loss_is_each_images_cross_entropy_and_falls(tower_head):
     """With the tower's head (``out.logits``) or the trainer's (LayerNorm -> Linear on ``out.pooled``), the packed
@@ -122,10 +132,7 @@ def test_the_supervised_loss_is_each_images_cross_entropy_and_falls(tower_head):
     batch = pack(drop=True)
     loss = objective(encoder, batch).loss_sum
     alone = []
-    for i, rows in enumerate(batch.keep):
-        start = sum(len(k) for k in batch.keep[:i])
-        grid = encoder.prepare_grid(batch.grid.grid_thws[i : i + 1], keep=[rows])
-        out = encoder(batch.pixel_values[start : start + len(rows)], grid=grid)
+    for i, out in enumerate(each_image_alone(encoder, batch)):
         logits = out.logits if tower_head else objective.head(objective.norm(out.pooled))
         alone.append(F.cross_entropy(logits, batch.labels[i : i + 1]))
     torch.testing.assert_close(loss, sum(alone), rtol=1e-5, atol=1e-5)  # other pack shapes: float error
