@@ -21,6 +21,7 @@ so that a wrong tensor, rule or row shows far above float64's error.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -533,6 +534,38 @@ def test_unread_config_keys_are_named_in_a_warning(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(values))
     with pytest.warns(UserWarning, match=r"ignoring keys this package does not read: num_hiden_layers$"):
         read_config(tmp_path)
+
+
+TIMM_TINY = {"architecture": "vit_base_patch16_siglip_224", "model_args": {"embed_dim": 32, "depth": 1, "num_heads": 2}}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            {"mlp_layer": "SwiGLU", "num_reg_tokens": 4},
+            "model_args mlp_layer, num_reg_tokens: not read by the SigLIP tower",
+        ),
+        ({"reg_tokens": 4}, r"model_args reg_tokens=4 is not supported by the SigLIP tower \(only 0\)"),
+        ({"fc_norm": True}, r"model_args fc_norm=True is not supported by the SigLIP tower \(only False\)"),
+    ],
+)
+def test_timm_model_args_the_tower_does_not_build_are_refused_by_key(tmp_path, args, message):
+    """A timm argument the SigLIP tower does not build is refused by key, as the classic ViT's and DINOv2's timm
+    readers refuse theirs, not read past with a warning; the harmless ones (dropouts, initialisation, timm's
+    dynamic size) and fc_norm's default (None) are read silently."""
+    values = {**TIMM_TINY, "model_args": {**TIMM_TINY["model_args"], **args}}
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    with pytest.raises(CheckpointError, match=rf"config\.json: {message}"):
+        read_config(tmp_path)
+    harmless = {"drop_path_rate": 0.1, "weight_init": "jax", "dynamic_img_size": True, "fc_norm": None}
+    (tmp_path / "config.json").write_text(
+        json.dumps({**TIMM_TINY, "model_args": {**TIMM_TINY["model_args"], **harmless}})
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config, _ = read_config(tmp_path)
+    assert (config.hidden_size, config.num_hidden_layers, config.family) == (32, 1, "siglip")
 
 
 SO400M = dict(hidden_size=1152, intermediate_size=4304, num_attention_heads=16, num_hidden_layers=27)

@@ -38,7 +38,7 @@ from ...weights.config_keys import warn_unread_keys
 from ...weights.formats import TensorLayout, TensorLayoutError, TensorSource
 from ..vit.config import ClassicViTConfig
 from ..vit.formats import ViTLayout
-from ..vit.readers import check_timm_size, square_int, table_pixels, timm_arguments, timm_fields
+from ..vit.readers import check_timm_size, refuse_timm_args, square_int, table_pixels, timm_arguments, timm_fields
 from .config import IMAGE_SIZE, LAYER_NORM_EPS, SIZES, SWIGLU_SIZES, swiglu_hidden_size
 
 # transformers' model types: the table rule of each, and the defaults of its config class.
@@ -70,12 +70,9 @@ _TIMM_ARGS = {
     "img_size": "image_size", "patch_size": "patch_size", "in_chans": "num_channels", "qkv_bias": "qkv_bias",
     "num_classes": "num_classes", "reg_tokens": "num_register_tokens", "no_embed_class": "no_embed_class",
 }  # fmt: skip
-# ... those read otherwise, those that change nothing here, and those whose other values it does not build.
+# ... those read otherwise, and those whose other values it does not build; any other but the harmless ones
+# (readers.TIMM_HARMLESS) is refused by key (refuse_timm_args).
 _TIMM_READ = {"mlp_ratio", "init_values", "global_pool"}
-_TIMM_HARMLESS = {
-    "dynamic_img_size", "drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate", "attn_drop_rate",
-    "drop_path_rate", "weight_init",
-}  # fmt: skip
 _TIMM_UNBUILT = {
     "class_token": True, "pre_norm": False, "fc_norm": None, "qk_norm": False, "dynamic_img_pad": False,
     "final_norm": True, "proj_bias": True, "pos_embed": "learn",
@@ -228,14 +225,7 @@ class Dinov2Layout(TensorLayout):
 
 def _read_timm(values: dict[str, Any], where: Path, names: Collection[str]) -> tuple[ClassicViTConfig, ViTLayout]:
     match, args = timm_arguments(values, where, _TIMM_ARCH, _TIMM_KEYS)
-    unknown = sorted(set(args) - set(_TIMM_ARGS) - _TIMM_READ - _TIMM_HARMLESS - set(_TIMM_UNBUILT))
-    if unknown:
-        raise ValueError(
-            f"model_args {', '.join(unknown)}: not read by the DINOv2 tower (timm arguments it does not build)"
-        )
-    for key, default in _TIMM_UNBUILT.items():
-        if key in args and args[key] != default:
-            raise ValueError(f"model_args {key}={args[key]!r} is not supported by the DINOv2 tower")
+    refuse_timm_args(args, "DINOv2 tower", {*_TIMM_ARGS, *_TIMM_READ}, _TIMM_UNBUILT)
     global_pool = values.get("global_pool", args.get("global_pool", "token"))
     if global_pool not in ("token", ""):
         raise ValueError(f"global_pool {global_pool!r} is not supported (DINOv2's towers pool the CLS token)")

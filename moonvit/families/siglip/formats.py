@@ -54,7 +54,7 @@ import torch
 from ...weights.config_keys import warn_unread_keys
 from ...weights.formats import TensorLayout, TensorLayoutError, TensorSource
 from ..vit.config import ClassicViTConfig
-from ..vit.readers import check_timm_size, square_int, table_pixels, timm_arguments, timm_fields
+from ..vit.readers import check_timm_size, refuse_timm_args, square_int, table_pixels, timm_arguments, timm_fields
 from .config import SIGLIP_FIELDS, SIZES, sized
 
 SIGLIP_TYPES = ("siglip", "siglip_vision_model")
@@ -279,10 +279,8 @@ def _tower_root(names: Collection[str], default: str, label: str) -> str:
 
 def _read_timm(values: dict[str, Any], where: Path) -> tuple[ClassicViTConfig, SiglipLayout]:
     match, args = timm_arguments(values, where, _TIMM_ARCH, _TIMM_KEYS)
-    warn_unread_keys(where, args, set(_TIMM_ARGS) | set(_TIMM_FIXED) | _TIMM_OTHER_ARGS)
-    for key, value in _TIMM_FIXED.items():
-        if key in args and args[key] != value and not (key == "fc_norm" and args[key] is None):
-            raise ValueError(f"model_args {key}={args[key]!r} is not supported by the SigLIP tower (only {value!r})")
+    built = {key: value for key, value in args.items() if not (key == "fc_norm" and value is None)}  # timm's default
+    refuse_timm_args(built, "SigLIP tower", {*_TIMM_ARGS, *_TIMM_OTHER_ARGS}, _TIMM_FIXED)
     size, patch, pixels = match["size"], int(match["patch"]), int(match["img"])
     check_timm_size(values["architecture"], size, SIZES, args)
     named: dict[str, Any] = dict(sized(size)) if size in SIZES else {}

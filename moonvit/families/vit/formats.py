@@ -27,7 +27,7 @@ from typing import Any
 from ...weights.config_keys import warn_unread_keys
 from ...weights.formats import TensorLayout, TensorSource
 from .config import SIZES, ClassicViTConfig
-from .readers import check_timm_size, square_int, timm_arguments, timm_fields
+from .readers import check_timm_size, refuse_timm_args, square_int, timm_arguments, timm_fields
 
 # Keys of a transformers ViT / DeiT config.json this package reads, and those it knows change nothing
 # here (dropouts, initialisation, the masked-image-modelling stride, the labels' names).
@@ -47,7 +47,8 @@ _TIMM_KEYS = {
 _TIMM_ARCH = re.compile(
     r"^(?P<kind>vit|deit)_(?P<size>[a-z]+)(?P<distilled>_distilled)?_patch(?P<patch>\d+)_(?P<img>\d+)"
 )
-# model_args this package reads (timm's VisionTransformer arguments), and those whose other values it does not build.
+# model_args this package reads (timm's VisionTransformer arguments), and those whose other values it does not build;
+# any other but the harmless ones (readers.TIMM_HARMLESS) is refused by key (refuse_timm_args).
 _TIMM_ARGS = {
     "embed_dim": "hidden_size", "depth": "num_hidden_layers", "num_heads": "num_attention_heads",
     "img_size": "image_size", "patch_size": "patch_size", "in_chans": "num_channels", "qkv_bias": "qkv_bias",
@@ -55,7 +56,7 @@ _TIMM_ARGS = {
 }  # fmt: skip
 _TIMM_UNBUILT = {
     "init_values": None, "reg_tokens": 0, "no_embed_class": False, "pre_norm": False, "fc_norm": None,
-    "qk_norm": False, "global_pool": "token", "dynamic_img_pad": False, "class_token": True,
+    "qk_norm": False, "global_pool": "token", "dynamic_img_pad": False,
 }  # fmt: skip
 
 
@@ -120,9 +121,7 @@ def _read_transformers(values: dict[str, Any], where: Path, names: set[str]) -> 
 
 def _read_timm(values: dict[str, Any], where: Path, names: set[str]) -> tuple[ClassicViTConfig, ViTLayout]:
     match, args = timm_arguments(values, where, _TIMM_ARCH, _TIMM_KEYS)
-    for key, default in _TIMM_UNBUILT.items():
-        if key in args and args[key] != default and key != "class_token":
-            raise ValueError(f"model_args {key}={args[key]!r} is not supported by the classic-ViT tower")
+    refuse_timm_args(args, "classic-ViT tower", {*_TIMM_ARGS, "mlp_ratio"}, _TIMM_UNBUILT)
     global_pool = values.get("global_pool", args.get("global_pool", "token"))
     if global_pool not in ("token", ""):
         raise ValueError(

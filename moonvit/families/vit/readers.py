@@ -5,7 +5,7 @@ from transformers' and timm's ``config.json`` values, and how timm sizes a ``Vis
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,12 @@ from ...weights.config_keys import warn_unread_keys
 
 TIMM_SIZE_ARGS = ("embed_dim", "depth", "num_heads")
 """The model_args that size a tower whose architecture names no standard size."""
+TIMM_HARMLESS = frozenset({
+    "dynamic_img_size", "drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate", "attn_drop_rate",
+    "drop_path_rate", "weight_init",
+})  # fmt: skip
+"""timm ``VisionTransformer`` arguments that change nothing in an evaluated tower's outputs: dropouts, the
+initialisation, and timm's resampling of the table at each forward (the towers here always resample it)."""
 
 
 def square_int(value: Any, key: str) -> int:
@@ -52,6 +58,22 @@ def timm_arguments(
     if not isinstance(args, dict):
         raise ValueError(f"model_args is a {type(args).__name__}, not an object")
     return match, args
+
+
+def refuse_timm_args(args: Mapping[str, Any], tower: str, read: Collection[str], unbuilt: Mapping[str, Any]) -> None:
+    """Refuse, by key, the ``model_args`` a family's timm reader does not build: an argument neither ``read`` nor
+    harmless (:data:`TIMM_HARMLESS`) nor in ``unbuilt``, and one of ``unbuilt`` (timm arguments the ``tower``
+    builds at that one value) at another value.
+
+    Raises:
+        ValueError: the arguments named.
+    """
+    unknown = sorted(set(args) - set(read) - TIMM_HARMLESS - set(unbuilt))
+    if unknown:
+        raise ValueError(f"model_args {', '.join(unknown)}: not read by the {tower} (timm arguments it does not build)")
+    for key, value in unbuilt.items():
+        if key in args and args[key] != value:
+            raise ValueError(f"model_args {key}={args[key]!r} is not supported by the {tower} (only {value!r})")
 
 
 def check_timm_size(architecture: str, size: str, sizes: Mapping[str, Any], args: Mapping[str, Any]) -> None:
