@@ -63,8 +63,10 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, mlp_rati
 # The native 4x4 grid of a 32 px table at patch 8, larger, smaller and odd-sided ones; 2x8 has the
 # native patch count on a grid that is not square (transformers resamples it: so must the tower).
 GRIDS = [(4, 4), (6, 6), (2, 3), (3, 5), (7, 2), (1, 4), (2, 8), (5, 1)]
-FLOAT64 = dict(rtol=0.0, atol=1e-5)  # against transformers' own rounding (its tables resampled in float32)
-EXACT = dict(rtol=0.0, atol=1e-12)  # against the same rule computed in float64
+FLOAT64 = dict(rtol=0.0, atol=1e-12)  # against a float64 reference (Dinov2Model's float32 bicubic table is the tower's)
+FLOAT32_TABLE = dict(rtol=0.0, atol=1e-6)
+"""Against transformers' register models, which round their resampled table to float32 where the tower keeps
+float64 (errors about 1e-7); each is also held to :data:`FLOAT64` against the same rule in float64."""
 ERRORS: dict[str, float] = {}
 """The largest error each comparison measured, by reference and output (a script can print them)."""
 
@@ -169,12 +171,12 @@ def test_transformers_folders_match_their_models_image_by_image(transformers_fol
     assert config.hidden_act == ("gelu_tanh" if "tanh" in name else "gelu")
     assert (config.grid_side, config.num_table_prefix_rows) == (4, 1)
     run = functools.partial(transformers_outputs, reference)
-    check_against(f"{name}/{backend}", ours, run, 1 + registers)
+    check_against(f"{name}/{backend}", ours, run, 1 + registers, **(FLOAT32_TABLE if registers else FLOAT64))
     if registers:
         # the float32 rounding of transformers' resampled table is all that differs: the same rule in
         # float64 (the tower keeps a float64 table in float64) agrees to float64's error
         with timm_table_in_float64(reference):
-            check_against(f"{name}/{backend}/float64 table", ours, run, 1 + registers, **EXACT)
+            check_against(f"{name}/{backend}/float64 table", ours, run, 1 + registers, **FLOAT64)
 
 
 def test_transformers_folders_are_dinov2_towers_also_once_saved_in_the_own_format(transformers_folders, tmp_path):
@@ -332,9 +334,9 @@ def test_timm_folders_give_the_transformers_models_outputs(transformers_folders,
     if registers:
         # transformers' register models resample as timm does (antialiased bicubic, in float32): every grid
         run = functools.partial(transformers_outputs, reference)
-        check_against(f"timm-{case}", ours, run, 1 + registers)
+        check_against(f"timm-{case}", ours, run, 1 + registers, **FLOAT32_TABLE)
         with timm_table_in_float64(reference):
-            check_against(f"timm-{case}/float64 table", ours, run, 1 + registers, **EXACT)
+            check_against(f"timm-{case}/float64 table", ours, run, 1 + registers, **FLOAT64)
         return
     # Dinov2Model resamples by plain bicubic, timm with antialias: the same outputs at the native grid, and
     # at every grid those of Dinov2Model with timm's resampling (in float64: the tower keeps a float64 table)
@@ -345,7 +347,7 @@ def test_timm_folders_give_the_transformers_models_outputs(transformers_folders,
     record(f"timm-{case}/native/patches", out.last_hidden_state, expected["tokens"][1:])
     record(f"timm-{case}/native/pooled", out.pooled[0], expected["pooler_output"])
     with timm_table_in_float64(reference):
-        check_against(f"timm-{case}", ours, functools.partial(transformers_outputs, reference), 1, **EXACT)
+        check_against(f"timm-{case}", ours, functools.partial(transformers_outputs, reference), 1, **FLOAT64)
 
 
 def test_a_timm_head_reads_the_cls_row(transformers_folders, tmp_path):
@@ -365,7 +367,7 @@ def test_a_timm_head_reads_the_cls_row(transformers_folders, tmp_path):
     with torch.no_grad():
         out = ours(patchify(image, PATCH), [[3, 5]])
     expected = torch.nn.functional.linear(transformers_outputs(reference, image)["pooler_output"], weight, bias)
-    record("timm-reg/logits", out.logits[0], expected)
+    record("timm-reg/logits", out.logits[0], expected, **FLOAT32_TABLE)
 
 
 def test_timm_names_give_the_released_sizes_and_their_tables():
@@ -524,4 +526,4 @@ def test_a_transformers_dinov2_repository_loads_by_hub_id(tmp_path, offline, req
     image = normal_images([(3, 5)], PATCH, seed=7)[0]
     with torch.no_grad():
         out = loaded(patchify(image, PATCH), [[3, 5]])
-    record("hub/patches", out.last_hidden_state, transformers_outputs(reference, image)["tokens"][5:])
+    record("hub/patches", out.last_hidden_state, transformers_outputs(reference, image)["tokens"][5:], **FLOAT32_TABLE)
