@@ -5,7 +5,7 @@ One process, the contenders interleaved on the same weights (random transformers
 ``save_pretrained`` and read back by ``MoonViT.from_pretrained`` and the transformers class) and
 the same pixels:
 
-    python benchmarks/bench_towers.py --threads 2 --repeats 3 --out benchmarks/results/bench_towers.md
+    python benchmarks/bench_towers.py --threads 2 --repeats 3 --attn auto sdpa --out benchmarks/results/bench_towers.md
 
 1. SigLIP2 NaFlex, ``Siglip2VisionModel`` at so400m/16's shape:
    (a) at ``--budget`` (256 patches), eight images of mixed aspect ratios sized by NaFlex's own rule
@@ -22,7 +22,7 @@ the same pixels:
 3. Memory against patches: ours on packs of 1x, 2x and 4x the (b) images (SigLIP2, bf16): peak
    resident bytes added per call, and per patch.
 
-For each dtype: seconds (min and median of ``--repeats`` after a warm-up call), the ratio
+For each dtype and each of our attention backends (``--attn``): seconds (min and median of ``--repeats`` after a warm-up call), the ratio
 transformers / ours from the same run, the peak resident memory one call adds
 (``common.peak_extra_bytes``) and the largest absolute difference of the patch rows (and pooled
 vectors) from transformers' unpadded per-image call. Pixels are cut into patches (ours) and padded
@@ -46,6 +46,7 @@ from moonvit import MoonViT
 from moonvit.cli import DTYPES, add_threads_argument, apply_threads, output_file, positive_int
 from moonvit.families.siglip.processor import naflex_grid
 from moonvit.media.processor import patchify
+from moonvit.model.attention import attention_names
 
 # (height, width) px of the mixed images, before each rule sizes them: aspect ratios 1:1 to 1:6
 MIXED_SIZES: list[tuple[int, int]] = [
@@ -126,16 +127,28 @@ def naflex_patches(image: torch.Tensor, patch: int) -> torch.Tensor:
     return image.reshape(c, h // patch, patch, w // patch, patch).permute(1, 3, 2, 4, 0).reshape(-1, patch * patch * c)
 
 
-def ours_contender(ours: torch.nn.Module, images: Sequence[torch.Tensor], patch: int) -> Contender:
+def ours_contenders(
+    ours: torch.nn.Module, attns: Sequence[str], images: Sequence[torch.Tensor], patch: int
+) -> list[Contender]:
+    """Ours in one packed call, once per attention backend (one model, the backend set per call)."""
     pixels, grids = pack_of(images, patch)
     pixels = pixels.to(next(ours.parameters()).dtype)
     count = int(grids.prod(dim=1).sum())
     prefix = getattr(ours.config, "num_prefix_tokens", 0) * len(images)
 
+    def on(attn: str) -> Callable[[], object]:
+        def run() -> object:
+            ours.set_attn_implementation(attn)  # type: ignore[operator]
+            return ours(pixels, grids)
+
+        return run
+
     def rows(out: object) -> Rows:
         return out.last_hidden_state, out.pooled  # type: ignore[attr-defined]
 
-    return Contender("ours: one pack", f"{count + prefix:,} tokens", lambda: ours(pixels, grids), rows, ours=True)
+    return [
+        Contender(f"ours, {attn}: one pack", f"{count + prefix:,} tokens", on(attn), rows, ours=True) for attn in attns
+    ]
 
 
 def siglip2_padded(peer: torch.nn.Module, images: Sequence[torch.Tensor], patch: int, budget: int) -> Contender:
@@ -216,12 +229,18 @@ def case_rows(label: str, contenders: Sequence[Contender], reference: Contender,
                 times[c.name].append(seconds(c.run))
         peaks = {c.name: peak_extra_bytes(lambda: outputs.__setitem__(c.name, c.run())) for c in contenders}
     expected = reference.rows(outputs[reference.name])
-    ours = next(c for c in contenders if c.ours)
+    ours = [c for c in contenders if c.ours]
     lines = []
     for c in contenders:
         low, mid = min(times[c.name]), statistics.median(times[c.name])
         ratio = (
-            "-" if c.ours else f"{mid / statistics.median(times[ours.name]):.2f}x ({low / min(times[ours.name]):.2f}x)"
+            "-"
+            if c.ours
+            else ", ".join(
+                (f"{o.name.split(':')[0].removeprefix('ours, ')} " if len(ours) > 1 else "")
+                + f"{mid / statistics.median(times[o.name]):.2f}x ({low / min(times[o.name]):.2f}x)"
+                for o in ours
+            )
         )
         got = c.rows(outputs[c.name])
         diff = (
@@ -272,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtypes", nargs="+", type=bf16_or_fp32, default=["bf16"], help="dtypes to time: fp32, bf16 (default: bf16)"
     )
+    backends = [name for name in attention_names() if name != "auto"]
+    parser.add_argument(
+        "--attn", nargs="+", choices=["auto", *backends], default=["auto"], metavar="ATTN",
+        help=f"our attention backends, each a row, timed interleaved ({', '.join(['auto', *backends])}; "
+        "default: auto)",
+    )  # fmt: skip
     parser.add_argument(
         "--budget", type=positive_int, default=256, help="max_num_patches of case (a), NaFlex's rule (default: 256)"
     )
@@ -349,12 +374,13 @@ def main(argv: list[str] | None = None) -> None:
                 images = images_at(grids, patch, seed)
                 reference = siglip2_per_image(peer, images, patch)
                 contenders = [
-                    ours_contender(ours, images, patch),
+                    *ours_contenders(ours, args.attn, images, patch),
                     siglip2_padded(peer, images, patch, limit),
                     reference,
                 ]
                 lines += case_rows(f"SigLIP2 {label}, {dtype_key}", contenders, reference, repeats)
             if dtype_key == args.dtypes[-1]:
+                ours.set_attn_implementation(args.attn[0])
                 memory = memory_rows(ours, images_at(native, patch, 3), patch, dtype_key)
             del ours, peer
             ours = MoonViT.from_pretrained(dino_folder, dtype=dtype).eval()
@@ -362,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
             images = [torch.randn(3, h, w, generator=torch.Generator().manual_seed(4)) for h, w in dino_sizes]
             reference = dinov2_per_image(peer, images)
             lines += case_rows(
-                f"DINOv2, {dtype_key}", [ours_contender(ours, images, 14), reference], reference, repeats
+                f"DINOv2, {dtype_key}", [*ours_contenders(ours, args.attn, images, 14), reference], reference, repeats
             )
             del ours, peer
     notes = [
