@@ -22,9 +22,9 @@ the same pixels:
 3. Memory against patches: ours on packs of 1x, 2x and 4x the (b) images (SigLIP2, bf16): peak
    resident bytes added per call, and per patch.
 
-For each dtype and each of our attention backends (``--attn``): seconds (min and median of ``--repeats`` after a warm-up call), the ratio
-transformers / ours from the same run, the peak resident memory one call adds
-(``common.peak_extra_bytes``) and the largest absolute difference of the patch rows (and pooled
+For each dtype and each of our attention backends (``--attn``): seconds (min and median of
+``--repeats`` after a warm-up call), the ratio transformers / ours from the same run, the peak
+resident memory one call adds (``common.peak_extra_bytes``) and the largest absolute difference of the patch rows (and pooled
 vectors) from transformers' unpadded per-image call. Pixels are cut into patches (ours) and padded
 (transformers) before the clock starts. The goal (printed, not asserted): ours at least 2x the
 padded batch on the mixed pack.
@@ -38,6 +38,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from common import bf16_or_fp32, host_line, mib, peak_extra_bytes, seconds, write_report
@@ -328,8 +329,10 @@ def main(argv: list[str] | None = None) -> None:
 
     transformers.utils.logging.disable_progress_bar()
     if args.quick:
-        siglip_shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
-        dino_shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=56)
+        siglip_shape: dict[str, Any] = dict(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128
+        )
+        dino_shape: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=56)
         sizes, native_sizes, dino_sizes = QUICK_SIZES, QUICK_SIZES, QUICK_DINO
     else:  # so400m/16 and ViT-L/14
         siglip_shape = dict(hidden_size=1152, num_hidden_layers=27, num_attention_heads=16, intermediate_size=4304)
