@@ -24,9 +24,10 @@ the same pixels:
 
 For each dtype and each of our attention backends (``--attn``): seconds (min and median of
 ``--repeats`` after a warm-up call), the ratio transformers / ours from the same run, the peak
-resident memory one call adds (``common.peak_extra_bytes``) and the largest absolute difference of the patch rows (and pooled
-vectors) from transformers' unpadded per-image call. Pixels are cut into patches (ours) and padded
-(transformers) before the clock starts. The goal (printed, not asserted): ours at least 2x the
+resident memory one call adds (``common.peak_extra_bytes``) and the largest absolute difference of
+the patch rows (and pooled vectors) from transformers' unpadded per-image call. Pixels are cut into
+patches (ours) and padded (transformers) before the clock starts. The goal (printed, not asserted):
+ours at least 2x the
 padded batch on the mixed pack.
 """
 
