@@ -27,8 +27,7 @@ For each dtype and each of our attention backends (``--attn``): seconds (min and
 resident memory one call adds (``common.peak_extra_bytes``) and the largest absolute difference of
 the patch rows (and pooled vectors) from transformers' unpadded per-image call. Pixels are cut into
 patches (ours) and padded (transformers) before the clock starts. The goal (printed, not asserted):
-ours at least 2x the
-padded batch on the mixed pack.
+ours at least 2x the padded batch on the mixed pack.
 """
 
 from __future__ import annotations
