@@ -83,12 +83,12 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
     if not isinstance(encoder, (MoonViT, ClassicViT)):
         raise CheckpointError(
             f"{args.checkpoint} holds the {tower_name(encoder.config)} ({type(encoder).__name__}): "
-            "python -m moonvit.onnx exports one MoonViT or ViT tower (ViT, DeiT, SigLIP, DINOv2)"
+            "python -m moonvit.onnx exports one MoonViT or ViT tower (a MoonViT or ClassicViT module)"
         )
     projector = None
     if args.projector and isinstance(encoder, ClassicViT):
         raise CheckpointError(
-            f"{args.checkpoint} holds a classic ViT / DeiT tower, which has no projector: drop --projector"
+            f"{args.checkpoint} holds the {tower_name(encoder.config)}, which has no projector: drop --projector"
         )
     if args.projector:
         from ..model.projector import MoonViTProjector

@@ -233,7 +233,7 @@ def _dynamic_shapes(config: MoonViTConfig | ClassicViTConfig) -> dict[str, dict[
 def _check_export(encoder: MoonViT | ClassicViT, projector: nn.Module | None, opset: int) -> None:
     if not isinstance(encoder, (MoonViT, ClassicViT)):
         raise ValueError(
-            f"export_onnx exports one MoonViT or ViT tower (ViT, DeiT, SigLIP, DINOv2), not the "
+            f"export_onnx exports one MoonViT or ViT tower (a MoonViT or ClassicViT module), not the "
             f"{tower_name(getattr(encoder, 'config', None))} ({type(encoder).__name__})"
         )
     if not MIN_OPSET <= opset <= MAX_OPSET:
