@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from common import (
     PACKS,
+    add_attn_rows_argument,
     as_thw,
     bf16_or_fp32,
     host_line,
@@ -45,7 +46,7 @@ from k3_baseline import K3Baseline
 from moonvit import MoonViT, preset_config
 from moonvit.cli import DTYPES, add_threads_argument, apply_threads, output_file, positive_int
 from moonvit.model import flex
-from moonvit.model.attention import AttentionFn, attention_names, get_attention, resolve_attn_implementation
+from moonvit.model.attention import AttentionFn, get_attention, resolve_attn_implementation
 from moonvit.model.flex import flex_unavailable
 from moonvit.model.grid import PackedGrid, build_packed_grid
 from moonvit.model.linear import cpu_bf16_matmul, cpu_has_bf16_arithmetic, set_cpu_bf16_matmul
@@ -397,12 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="time the attention backends (sdpa, flex, head_dim padded) on each pack's attention call (default: on)",
     )
-    backends = [name for name in attention_names() if name != "auto"]
-    parser.add_argument(
-        "--attn", nargs="+", choices=["auto", *backends], default=["sdpa"], metavar="ATTN",
-        help=f"our attention backends, each a row, timed interleaved ({', '.join(['auto', *backends])}; "
-        "default: sdpa)",
-    )  # fmt: skip
+    add_attn_rows_argument(parser, "sdpa")
     parser.add_argument(
         "--widened",
         action=argparse.BooleanOptionalAction,

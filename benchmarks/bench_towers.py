@@ -41,13 +41,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import bf16_or_fp32, host_line, mib, peak_extra_bytes, seconds, write_report
+from common import (
+    add_attn_rows_argument,
+    bf16_or_fp32,
+    host_line,
+    interleaved_times,
+    max_abs,
+    mib,
+    peak_extra_bytes,
+    write_report,
+)
 
 from moonvit import MoonViT
 from moonvit.cli import DTYPES, add_threads_argument, apply_threads, output_file, positive_int
 from moonvit.families.siglip.processor import naflex_grid
 from moonvit.media.processor import patchify
-from moonvit.model.attention import attention_names
 
 # (height, width) px of the mixed images, before each rule sizes them: aspect ratios 1:1 to 1:6
 MIXED_SIZES: list[tuple[int, int]] = [
@@ -213,21 +221,12 @@ def dinov2_per_image(peer: torch.nn.Module, images: Sequence[torch.Tensor]) -> C
     return Contender("transformers: one call per image", f"{len(images)} calls", run, rows)
 
 
-def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max())
-
-
 def case_rows(label: str, contenders: Sequence[Contender], reference: Contender, repeats: int) -> list[str]:
     """One table row per contender: seconds, transformers / ours (medians; mins in brackets), peak MiB,
     and the largest differences from ``reference``'s patch rows (pooled in brackets)."""
-    times: dict[str, list[float]] = {c.name: [] for c in contenders}
+    times = interleaved_times({c.name: c.run for c in contenders}, repeats)
     outputs: dict[str, object] = {}
     with torch.inference_mode():
-        for c in contenders:
-            c.run()
-        for _ in range(repeats):
-            for c in contenders:
-                times[c.name].append(seconds(c.run))
         peaks = {c.name: peak_extra_bytes(lambda: outputs.__setitem__(c.name, c.run())) for c in contenders}
     expected = reference.rows(outputs[reference.name])
     ours = [c for c in contenders if c.ours]
@@ -292,12 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtypes", nargs="+", type=bf16_or_fp32, default=["bf16"], help="dtypes to time: fp32, bf16 (default: bf16)"
     )
-    backends = [name for name in attention_names() if name != "auto"]
-    parser.add_argument(
-        "--attn", nargs="+", choices=["auto", *backends], default=["auto"], metavar="ATTN",
-        help=f"our attention backends, each a row, timed interleaved ({', '.join(['auto', *backends])}; "
-        "default: auto)",
-    )  # fmt: skip
+    add_attn_rows_argument(parser, "auto")
     parser.add_argument(
         "--budget", type=positive_int, default=256, help="max_num_patches of case (a), NaFlex's rule (default: 256)"
     )

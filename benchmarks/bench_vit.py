@@ -36,12 +36,21 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from common import bf16_or_fp32, host_line, mib, peak_extra_bytes, seconds, write_report
+from common import (
+    add_attn_rows_argument,
+    bf16_or_fp32,
+    host_line,
+    interleaved_times,
+    max_abs,
+    mib,
+    peak_extra_bytes,
+    write_report,
+)
 
 from moonvit import MoonViT
 from moonvit.cli import DTYPES, add_threads_argument, apply_threads, output_file, positive_int
 from moonvit.media.processor import patchify
-from moonvit.model.attention import attention_names, resolve_attn_implementation
+from moonvit.model.attention import resolve_attn_implementation
 from moonvit.model.openvino_sdpa import OPENVINO_MIN_PATCHES
 
 if TYPE_CHECKING:
@@ -210,22 +219,6 @@ def batched(peer: ViTModel, images: Sequence[torch.Tensor]) -> Contender:
     )
 
 
-def time_interleaved(contenders: Sequence[Contender], repeats: int) -> dict[str, list[float]]:
-    """Seconds of each contender's ``repeats`` calls, one warm-up call each first, runs alternating."""
-    times: dict[str, list[float]] = {c.name: [] for c in contenders}
-    with torch.inference_mode():
-        for c in contenders:
-            c.run()
-        for _ in range(repeats):
-            for c in contenders:
-                times[c.name].append(seconds(c.run))
-    return times
-
-
-def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max())
-
-
 def diff_text(got: Rows, expected: Rows) -> str:
     """``max |patch rows| (max |CLS rows|)`` of ``got`` against ``expected``."""
     return f"{max_abs(got[0], expected[0]):.1e} ({max_abs(got[1], expected[1]):.1e})"
@@ -245,7 +238,7 @@ def case_rows(
     """One table row per contender: seconds, ratio transformers / ours (medians; mins in brackets),
     peak MiB, and the largest differences from ``reference``'s patch and CLS rows (same dtype) and
     from ``fp32_reference`` (the same reference computed in float32)."""
-    times = time_interleaved(contenders, repeats)
+    times = interleaved_times({c.name: c.run for c in contenders}, repeats)
     outputs: dict[str, object] = {}
     with torch.inference_mode():
         # the call whose peak is measured also gives the tokens that are checked
@@ -305,12 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=["fp32", "bf16"],
         help="dtypes to time: fp32, bf16 (default: both)",
     )
-    backends = [name for name in attention_names() if name != "auto"]
-    parser.add_argument(
-        "--attn", nargs="+", choices=["auto", *backends], default=["auto"], metavar="ATTN",
-        help=f"our attention backends, each a row, timed interleaved ({', '.join(['auto', *backends])}; "
-        "default: auto)",
-    )  # fmt: skip
+    add_attn_rows_argument(parser, "auto")
     parser.add_argument(
         "--depth", type=positive_int, default=None, help="blocks of the ViT-B tower (default: 12, the real depth)"
     )

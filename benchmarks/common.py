@@ -19,6 +19,7 @@ import torch
 
 from moonvit import MoonViTConfig
 from moonvit.cli import dtype_name
+from moonvit.model.attention import attention_names
 from moonvit.perf import config_flops, matmul_peak, seconds
 
 __all__ = [
@@ -91,6 +92,35 @@ def bf16_or_fp32(text: str) -> str:
     if name not in ("bf16", "fp32"):
         raise argparse.ArgumentTypeError(f"expected bf16 or fp32, got {text}")
     return name
+
+
+def add_attn_rows_argument(parser: argparse.ArgumentParser, default: str) -> None:
+    """``--attn``: our attention backends, each timed as a row of its own, interleaved (``auto`` or a
+    named backend), ``default`` when none is given."""
+    backends = [name for name in attention_names() if name != "auto"]
+    parser.add_argument(
+        "--attn", nargs="+", choices=["auto", *backends], default=[default], metavar="ATTN",
+        help=f"our attention backends, each a row, timed interleaved ({', '.join(['auto', *backends])}; "
+        f"default: {default})",
+    )  # fmt: skip
+
+
+def interleaved_times(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each run's ``repeats`` calls under inference mode, one warm-up call each first, the
+    runs alternating (so that a noisy neighbour slows every contender alike)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    with torch.inference_mode():
+        for run in runs.values():
+            run()
+        for _ in range(repeats):
+            for name, run in runs.items():
+                times[name].append(seconds(run))
+    return times
+
+
+def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest absolute difference of two tensors, in float64."""
+    return float((a.double() - b.double()).abs().max())
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
