@@ -46,15 +46,15 @@ def resample_table(table: torch.Tensor, rows: int, cols: int, rule: str) -> torc
     # torch's antialiased CPU kernel (2.13) gives other, wrong, values for a one-column grid (3x1, 6x1)
     # from an NCHW-contiguous input; the channels-last path gives PIL's (and timm's) values.
     grid = table.unsqueeze(0).permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
-    wide = grid.to(torch.promote_types(grid.dtype, torch.float32))
+    wide = torch.promote_types(grid.dtype, torch.float32)  # float32, or float64 kept
     if rule == "transformers":
         out = F.interpolate(grid, size=(rows, cols), mode="bicubic", align_corners=False)
     elif rule == "transformers-f32":
         out = F.interpolate(grid.float(), size=(rows, cols), mode="bicubic", align_corners=False)
     elif rule == "timm":
-        out = F.interpolate(wide, size=(rows, cols), mode="bicubic", antialias=True, align_corners=False)
+        out = F.interpolate(grid.to(wide), size=(rows, cols), mode="bicubic", antialias=True, align_corners=False)
     elif rule == "jax":
-        out = F.interpolate(wide, size=(rows, cols), mode="bilinear", align_corners=True)
+        out = F.interpolate(grid.to(wide), size=(rows, cols), mode="bilinear", align_corners=True)
     elif rule == "naflex":
         out = F.interpolate(grid.float(), size=(rows, cols), mode="bilinear", antialias=True, align_corners=False)
     else:
